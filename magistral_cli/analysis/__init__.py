@@ -1,0 +1,1 @@
+"""`compare`: log parsers and the metric math."""

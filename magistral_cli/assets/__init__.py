@@ -1,0 +1,1 @@
+"""Lock files, downloads through huggingface_hub, the SHA-256 manifest and verification."""

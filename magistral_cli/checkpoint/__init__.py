@@ -1,0 +1,1 @@
+"""Key maps (official HF <-> transformers <-> megatron), HF <-> DCP conversion, validation, export."""

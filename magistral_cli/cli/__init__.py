@@ -1,0 +1,1 @@
+"""The command line: one thin module per subcommand (parse -> call core -> render)."""

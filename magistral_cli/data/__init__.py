@@ -1,0 +1,1 @@
+"""Readers, chat template, Pixtral image tokens, encoder, cache, collator, samplers, loader."""

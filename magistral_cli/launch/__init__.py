@@ -1,0 +1,1 @@
+"""The torchrun launcher: command, environment, run directory and run identity."""

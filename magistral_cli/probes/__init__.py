@@ -1,0 +1,1 @@
+"""Device and numerics checks with JSON results."""
