@@ -1,16 +1,144 @@
-"""`magistral compare`."""
+"""`magistral compare BASELINE CANDIDATE`: loss and step-time metrics between two runs, with a verdict."""
 
 from __future__ import annotations
 
-import typer
+import math
+from pathlib import Path
+from typing import Annotated, Optional
 
-from .pending import register_pending
+import typer
+from rich.table import Table
+
+from magistral_cli.analysis.logs import KNOWN_FORMATS, read_run
+from magistral_cli.analysis.metrics import (
+    DEFAULT_LOSS_THRESHOLD,
+    DEFAULT_SKIP_STEPS,
+    Comparison,
+    compare_runs,
+)
+
+from .output import console, emit_json
+
+_SOURCE_HELP = "A run directory, a metrics.jsonl, or a MindSpeed-MM FSDP2 / Megatron training log."
 
 
 def register(app: typer.Typer) -> None:
-    register_pending(
-        app,
-        "compare",
-        "Compare loss and step time of two runs or logs, with a verdict.",
-        "run comparison is planned.",
+    app.command(name="compare", help=_HELP)(compare)
+
+
+_HELP = (
+    "Compare loss and step time of two runs or logs, with a verdict.\n\n"
+    "Loss: sum|candidate - baseline| / sum|baseline| over the common steps, at most --loss-threshold. "
+    "Step time: mean / median / p95 after --skip-steps; with --max-step-time-ratio the candidate's mean "
+    "may be at most that multiple of the baseline's. Exit 0 pass, 1 fail, 2 bad input.\n\n"
+    "Formats: " + ", ".join(KNOWN_FORMATS) + "."
+)
+
+
+def compare(
+    baseline: Annotated[Path, typer.Argument(help=f"The reference. {_SOURCE_HELP}", show_default=False)],
+    candidate: Annotated[Path, typer.Argument(help=f"The run judged. {_SOURCE_HELP}", show_default=False)],
+    skip_steps: Annotated[
+        int, typer.Option("--skip-steps", min=0, help="Warm-up: step times of steps 1..N are left out.")
+    ] = DEFAULT_SKIP_STEPS,
+    loss_threshold: Annotated[
+        float,
+        typer.Option(
+            "--loss-threshold", min=0.0, help="Largest normalized mean abs loss difference that passes."
+        ),
+    ] = DEFAULT_LOSS_THRESHOLD,
+    max_step_time_ratio: Annotated[
+        Optional[float],
+        typer.Option(
+            "--max-step-time-ratio",
+            help="Fail when candidate mean step time / baseline mean exceeds this (1.0 = no slower).",
+        ),
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+    plot: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--plot", help="Write a PNG with loss curves, relative error and step times (needs [plot])."
+        ),
+    ] = None,
+) -> None:
+    if plot is not None:
+        from magistral_cli.analysis.plot import check_plot_path
+
+        check_plot_path(plot)  # before the work, so that a bad path costs nothing
+    result = compare_runs(
+        read_run(baseline),
+        read_run(candidate),
+        skip_steps=skip_steps,
+        loss_threshold=loss_threshold,
+        max_step_time_ratio=max_step_time_ratio,
     )
+    _render(result)
+    if plot is not None:
+        from magistral_cli.analysis.plot import plot_comparison
+
+        plot_comparison(result, plot, labels=(f"baseline ({baseline.name})", f"candidate ({candidate.name})"))
+        console.print(f"plot: {plot}")
+    if json_output:
+        emit_json(result.report)
+    if not result.passed:
+        raise typer.Exit(1)
+
+
+def _fmt(value, spec: str = ".2f", unit: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:{spec}}{unit}"
+
+
+def _render(result: Comparison) -> None:
+    """The human table on stderr."""
+    r = result.report
+    loss, times, memory = r["loss"], r["step_time_ms"], r["memory_mib"]
+    table = Table(title=f"compare: {r['steps_compared']} common steps", title_justify="left")
+    table.add_column("metric")
+    table.add_column("baseline", justify="right")
+    table.add_column("candidate", justify="right")
+    table.add_column("result", justify="right")
+
+    def ok(flag) -> str:
+        return "" if flag is None else ("[green]pass[/]" if flag else "[red]FAIL[/]")
+
+    table.add_row("source", r["baseline"]["format"], r["candidate"]["format"], "")
+    table.add_row("steps logged", str(r["baseline"]["steps_logged"]), str(r["candidate"]["steps_logged"]), "")
+    table.add_row(
+        "loss: normalized mean |diff|",
+        "",
+        _fmt(loss["normalized_mean_abs_diff"], ".4%"),
+        f"<= {loss['threshold']:.2%} {ok(loss['pass'])}",
+    )
+    table.add_row("loss: relative error mean", "", _fmt(loss["relative_error_mean"], ".4%"), "")
+    worst_step = loss["relative_error_max_step"]
+    table.add_row(
+        "loss: relative error max",
+        "",
+        _fmt(loss["relative_error_max"], ".4%"),
+        f"at step {worst_step}" if worst_step is not None else "",
+    )
+    for stat in ("mean", "median", "p95"):
+        b, c = times["baseline"], times["candidate"]
+        table.add_row(
+            f"step time {stat} (ms, steps > {times['skip_steps']})",
+            _fmt(b and b[stat], ".1f"),
+            _fmt(c and c[stat], ".1f"),
+            "",
+        )
+    limit = f"<= {times['max_ratio']} " if times["max_ratio"] is not None else ""
+    table.add_row("step time mean ratio", "", _fmt(times["mean_ratio"], ".3f"), f"{limit}{ok(times['pass'])}")
+    for key, label in (("peak_allocated", "peak allocated (MiB)"), ("peak_reserved", "peak reserved (MiB)")):
+        table.add_row(label, _fmt(memory["baseline"][key], ".0f"), _fmt(memory["candidate"][key], ".0f"), "")
+    retries = r["alloc_retries"]
+    table.add_row("allocation retries", _fmt(retries["baseline"], "d"), _fmt(retries["candidate"], "d"), "")
+    wall = r["wall_s"]
+    table.add_row("wall time (s)", _fmt(wall["baseline"], ".1f"), _fmt(wall["candidate"], ".1f"), "")
+    console.print(table)
+    for warning in r["warnings"]:
+        console.print(f"[yellow]warning:[/] {warning}")
+    for failure in r["failures"]:
+        console.print(f"[red]fail:[/] {failure}")
+    console.print("[bold green]PASS[/]" if result.passed else "[bold red]FAIL[/]")
