@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from magistral_cli.analysis.logs import KNOWN_FORMATS, read_run
@@ -78,7 +79,7 @@ def compare(
         from magistral_cli.analysis.plot import plot_comparison
 
         plot_comparison(result, plot, labels=(f"baseline ({baseline.name})", f"candidate ({candidate.name})"))
-        console.print(f"plot: {plot}")
+        console.print(f"plot: {escape(str(plot))}")
     if json_output:
         emit_json(result.report)
     if not result.passed:
@@ -138,7 +139,7 @@ def _render(result: Comparison) -> None:
     table.add_row("wall time (s)", _fmt(wall["baseline"], ".1f"), _fmt(wall["candidate"], ".1f"), "")
     console.print(table)
     for warning in r["warnings"]:
-        console.print(f"[yellow]warning:[/] {warning}")
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
     for failure in r["failures"]:
-        console.print(f"[red]fail:[/] {failure}")
+        console.print(f"[red]fail:[/] {escape(failure)}")
     console.print("[bold green]PASS[/]" if result.passed else "[bold red]FAIL[/]")

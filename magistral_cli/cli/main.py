@@ -12,6 +12,7 @@ import sys
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from typer.core import TyperGroup
 
 from magistral_cli import __version__
@@ -37,7 +38,9 @@ class _Group(TyperGroup):
         except MagistralError as exc:
             if debug_enabled():
                 raise
-            console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False, soft_wrap=True)
+            console.print(
+                f"[bold red]error:[/] {escape(str(exc))}", markup=True, highlight=False, soft_wrap=True
+            )
             raise typer.Exit(exc.exit_code) from None
 
     def list_commands(self, ctx):
