@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from magistral_cli.errors import UserError
@@ -34,66 +35,102 @@ def check_plot_path(path: Path) -> None:
 def plot_comparison(
     comparison: Comparison, path: Path, *, labels: tuple[str, str] = ("baseline", "candidate")
 ) -> Path:
-    """Write a three-panel PNG of ``comparison`` to ``path`` and return the path."""
+    """Write a three-panel PNG of ``comparison`` to ``path`` and return the path.
+
+    Panels: both loss curves (NaN/inf candidate steps marked), the per-step relative loss error
+    with the threshold and the normalized mean, and both step-time curves with the warm-up shaded.
+    """
     plt = _pyplot()
     report = comparison.report
-    steps = comparison.steps
-    loss, times = report["loss"], report["step_time_ms"]
     fig, (ax_loss, ax_err, ax_time) = plt.subplots(
         3, 1, figsize=(10, 10), sharex=True, constrained_layout=True
     )
-
-    verdict = "PASS" if comparison.passed else "FAIL"
-    diff = loss["normalized_mean_abs_diff"]
-    title = f"{verdict}: {report['steps_compared']} common steps"
-    if diff is not None:
-        title += f", normalized mean |Δloss| {diff:.3%} (threshold {loss['threshold']:.2%})"
-    if times["mean_ratio"] is not None:
-        title += f", step time ratio {times['mean_ratio']:.3f}"
-    fig.suptitle(title, color="tab:green" if comparison.passed else "tab:red")
-
-    ax_loss.plot(steps, comparison.baseline_loss, label=labels[0], color="tab:blue", linewidth=1.5)
-    ax_loss.plot(
-        steps, comparison.candidate_loss, label=labels[1], color="tab:orange", linewidth=1.0, linestyle="--"
-    )
-    ax_loss.set_title("loss", loc="left", fontsize="medium")
-    ax_loss.set_ylabel("loss")
-    ax_loss.legend(loc="upper right")
-    ax_loss.grid(alpha=0.3)
-
-    ax_err.plot(steps, [100.0 * e for e in comparison.relative_error], color="tab:purple", linewidth=1.0)
-    ax_err.axhline(
-        100.0 * loss["threshold"], color="tab:red", linestyle=":", label="threshold (on the normalized mean)"
-    )
-    if diff is not None:
-        ax_err.axhline(
-            100.0 * diff, color="tab:purple", linestyle="--", linewidth=0.8, label="normalized mean"
-        )
-    if loss["relative_error_max_step"] is not None:
-        ax_err.scatter(
-            [loss["relative_error_max_step"]],
-            [100.0 * loss["relative_error_max"]],
-            color="tab:red",
-            zorder=3,
-            label=f"max at step {loss['relative_error_max_step']}",
-        )
-    ax_err.set_title("per-step relative loss error", loc="left", fontsize="medium")
-    ax_err.set_ylabel("|Δloss| / |baseline loss| (%)")
-    ax_err.legend(loc="upper right")
-    ax_err.grid(alpha=0.3)
-
-    ax_time.plot(steps, comparison.baseline_step_time_ms, label=labels[0], color="tab:blue", linewidth=1.5)
-    ax_time.plot(steps, comparison.candidate_step_time_ms, label=labels[1], color="tab:orange", linewidth=1.0)
-    if times["skip_steps"] and steps[0] <= times["skip_steps"]:
-        ax_time.axvspan(
-            steps[0], times["skip_steps"] + 0.5, color="grey", alpha=0.15, label="warm-up (skipped)"
-        )
-    ax_time.set_title("step time", loc="left", fontsize="medium")
-    ax_time.set_ylabel("step time (ms)")
+    fig.suptitle(_title(report), color="tab:green" if comparison.passed else "tab:red")
+    _loss_panel(ax_loss, comparison, labels)
+    _error_panel(ax_err, comparison)
+    _step_time_panel(ax_time, comparison, labels)
     ax_time.set_xlabel("step")
-    ax_time.legend(loc="best")
-    ax_time.grid(alpha=0.3)
-
+    for ax in (ax_loss, ax_err, ax_time):
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper right", fontsize="small")
     fig.savefig(path, format="png", dpi=110)
     plt.close(fig)
     return path
+
+
+def _title(report: dict) -> str:
+    loss, times = report["loss"], report["step_time_ms"]
+    title = f"{'PASS' if report['pass'] else 'FAIL'}: {report['steps_compared']} common steps"
+    if loss["normalized_mean_abs_diff"] is not None:
+        title += f", normalized mean |Δloss| {loss['normalized_mean_abs_diff']:.3%} (threshold {loss['threshold']:.2%})"
+    if times["mean_ratio"] is not None:
+        title += f", step time ratio {times['mean_ratio']:.3f}"
+    if report["failures"]:
+        title += "\n" + report["failures"][0]
+    return title
+
+
+def _loss_panel(ax, comparison: Comparison, labels) -> None:
+    ax.plot(comparison.steps, comparison.baseline_loss, label=labels[0], color="tab:blue", linewidth=1.5)
+    ax.plot(
+        comparison.steps,
+        comparison.candidate_loss,
+        label=labels[1],
+        color="tab:orange",
+        linewidth=1.0,
+        linestyle="--",
+    )
+    bad = comparison.report["loss"]["nonfinite_steps"]["candidate"]
+    for i, step in enumerate(bad[:50]):
+        ax.axvline(
+            step, color="tab:red", alpha=0.6, linewidth=1.0, label="candidate NaN/inf" if i == 0 else None
+        )
+    ax.set_title("loss", loc="left", fontsize="medium")
+    ax.set_ylabel("loss")
+
+
+def _error_panel(ax, comparison: Comparison) -> None:
+    loss = comparison.report["loss"]
+    ax.plot(
+        comparison.steps, [100.0 * e for e in comparison.relative_error], color="tab:purple", linewidth=1.0
+    )
+    ax.axhline(
+        100.0 * loss["threshold"], color="tab:red", linestyle=":", label="threshold (on the normalized mean)"
+    )
+    if loss["normalized_mean_abs_diff"] is not None:
+        ax.axhline(
+            100.0 * loss["normalized_mean_abs_diff"], color="tab:purple", linestyle="--", linewidth=0.8,
+            label="normalized mean",
+        )  # fmt: skip
+    if loss["relative_error_max_step"] is not None:
+        ax.scatter(
+            [loss["relative_error_max_step"]], [100.0 * loss["relative_error_max"]], color="tab:red", zorder=3,
+            label=f"max at step {loss['relative_error_max_step']}",
+        )  # fmt: skip
+    ax.set_ylim(bottom=0)
+    ax.set_title("per-step relative loss error", loc="left", fontsize="medium")
+    ax.set_ylabel("|Δloss| / |baseline loss| (%)")
+
+
+def _step_time_panel(ax, comparison: Comparison, labels) -> None:
+    steps, skip = comparison.steps, comparison.report["step_time_ms"]["skip_steps"]
+    ax.plot(steps, comparison.baseline_step_time_ms, label=labels[0], color="tab:blue", linewidth=1.5)
+    ax.plot(steps, comparison.candidate_step_time_ms, label=labels[1], color="tab:orange", linewidth=1.0)
+    if skip and steps[0] <= skip:
+        ax.axvspan(
+            steps[0], skip + 0.5, color="grey", alpha=0.15, label=f"warm-up, steps <= {skip} (skipped)"
+        )
+    # Scale to the measured steps: one slow warm-up step would otherwise flatten every other curve.
+    series = (comparison.baseline_step_time_ms, comparison.candidate_step_time_ms)
+    measured = [
+        t
+        for times in series
+        for step, t in zip(steps, times, strict=True)
+        if step > skip and math.isfinite(t)
+    ]
+    if measured:
+        low, high = min(measured), max(measured)
+        pad = max(0.05 * (high - low), 0.01 * high, 1e-3)
+        ax.set_ylim(low - pad, high + pad)
+    ax.set_title("step time", loc="left", fontsize="medium")
+    ax.set_ylabel("step time (ms)")

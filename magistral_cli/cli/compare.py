@@ -93,44 +93,49 @@ def _fmt(value, spec: str = ".2f", unit: str = "") -> str:
 
 
 def _render(result: Comparison) -> None:
-    """The human table on stderr."""
+    """The human table on stderr (fits 80 columns: the sources are named above it)."""
     r = result.report
     loss, times, memory = r["loss"], r["step_time_ms"], r["memory_mib"]
-    table = Table(title=f"compare: {r['steps_compared']} common steps", title_justify="left")
+    for side in ("baseline", "candidate"):
+        source = r[side]
+        console.print(
+            f"{side}: {escape(source['path'])} ({source['format']}, {source['steps_logged']} steps)",
+            soft_wrap=True,
+        )
+    table = Table(
+        title=f"{r['steps_compared']} common steps; step times of steps > {times['skip_steps']}",
+        title_justify="left",
+    )
     table.add_column("metric")
     table.add_column("baseline", justify="right")
     table.add_column("candidate", justify="right")
-    table.add_column("result", justify="right")
+    table.add_column("check", justify="right")
 
     def ok(flag) -> str:
         return "" if flag is None else ("[green]pass[/]" if flag else "[red]FAIL[/]")
 
-    table.add_row("source", r["baseline"]["format"], r["candidate"]["format"], "")
-    table.add_row("steps logged", str(r["baseline"]["steps_logged"]), str(r["candidate"]["steps_logged"]), "")
+    diff = loss["normalized_mean_abs_diff"]
+    within = None if diff is None else diff <= loss["threshold"]
     table.add_row(
-        "loss: normalized mean |diff|",
-        "",
-        _fmt(loss["normalized_mean_abs_diff"], ".4%"),
-        f"<= {loss['threshold']:.2%} {ok(loss['pass'])}",
+        "loss: norm. mean |diff|", "", _fmt(diff, ".4%"), f"<= {loss['threshold']:.2%} {ok(within)}"
     )
-    table.add_row("loss: relative error mean", "", _fmt(loss["relative_error_mean"], ".4%"), "")
+    table.add_row("loss: rel. error mean", "", _fmt(loss["relative_error_mean"], ".4%"), "")
     worst_step = loss["relative_error_max_step"]
-    table.add_row(
-        "loss: relative error max",
-        "",
-        _fmt(loss["relative_error_max"], ".4%"),
-        f"at step {worst_step}" if worst_step is not None else "",
-    )
-    for stat in ("mean", "median", "p95"):
-        b, c = times["baseline"], times["candidate"]
+    where = f"at step {worst_step}" if worst_step is not None else ""
+    table.add_row("loss: rel. error max", "", _fmt(loss["relative_error_max"], ".4%"), where)
+    bad = loss["nonfinite_steps"]
+    if bad["baseline"] or bad["candidate"]:
         table.add_row(
-            f"step time {stat} (ms, steps > {times['skip_steps']})",
-            _fmt(b and b[stat], ".1f"),
-            _fmt(c and c[stat], ".1f"),
-            "",
+            "loss: NaN/inf steps",
+            str(len(bad["baseline"])),
+            str(len(bad["candidate"])),
+            ok(not bad["candidate"]),
         )
-    limit = f"<= {times['max_ratio']} " if times["max_ratio"] is not None else ""
-    table.add_row("step time mean ratio", "", _fmt(times["mean_ratio"], ".3f"), f"{limit}{ok(times['pass'])}")
+    b, c = times["baseline"] or {}, times["candidate"] or {}
+    for stat in ("mean", "median", "p95"):
+        table.add_row(f"step time {stat} (ms)", _fmt(b.get(stat), ".1f"), _fmt(c.get(stat), ".1f"), "")
+    limit = f"<= {times['max_ratio']:g} " if times["max_ratio"] is not None else ""
+    table.add_row("step time ratio", "", _fmt(times["mean_ratio"], ".3f"), f"{limit}{ok(times['pass'])}")
     for key, label in (("peak_allocated", "peak allocated (MiB)"), ("peak_reserved", "peak reserved (MiB)")):
         table.add_row(label, _fmt(memory["baseline"][key], ".0f"), _fmt(memory["candidate"][key], ".0f"), "")
     retries = r["alloc_retries"]
@@ -139,7 +144,7 @@ def _render(result: Comparison) -> None:
     table.add_row("wall time (s)", _fmt(wall["baseline"], ".1f"), _fmt(wall["candidate"], ".1f"), "")
     console.print(table)
     for warning in r["warnings"]:
-        console.print(f"[yellow]warning:[/] {escape(warning)}")
+        console.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)
     for failure in r["failures"]:
-        console.print(f"[red]fail:[/] {escape(failure)}")
+        console.print(f"[red]fail:[/] {escape(failure)}", soft_wrap=True)
     console.print("[bold green]PASS[/]" if result.passed else "[bold red]FAIL[/]")
