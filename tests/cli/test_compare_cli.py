@@ -84,7 +84,7 @@ def test_pass_with_json_shape(runs):
     assert report["wall_s"] == {"baseline": 30.0, "candidate": 33.0, "ratio": pytest.approx(1.1)}
     assert report["pass"] is True
     assert "4 step(s) logged by the baseline only" in result.stderr
-    assert "PASS" in result.stderr and "normalized mean" in result.stderr  # the table
+    assert "PASS" in result.stderr and "loss: norm. mean |diff|" in result.stderr  # the table
 
 
 def test_loss_beyond_threshold_exits_1_and_still_prints_json(runs):
