@@ -199,3 +199,18 @@ def test_describe(tmp_path):
         "duplicate_steps": [],
     }
     assert json.dumps(run.describe())
+
+
+def test_the_issue_example_line_shape(tmp_path):
+    # the shape quoted in the docs: single spaces, few fields, no timestamp
+    path = tmp_path / "short.log"
+    path.write_text(
+        "iteration 10/ 2000 | consumed samples: 80 | elapsed time per iteration (ms): 1987.7 | lm loss: 1.234E+00 |\n"
+        "iteration 11/ 2000 | elapsed time per iteration (ms): 1990.0 | lm loss: 1.2E+00 |\n"
+    )
+    run = read_run(path)
+    assert run.format == "megatron-log"
+    assert {s: (r.loss, r.step_time_ms) for s, r in run.steps.items()} == {
+        10: (1.234, 1987.7),
+        11: (1.2, 1990.0),
+    }

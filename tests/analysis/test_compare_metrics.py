@@ -199,3 +199,14 @@ def test_all_nan_candidate_is_a_failure_not_bad_input():
     assert result.passed is False
     assert result.report["loss"]["normalized_mean_abs_diff"] is None
     json.dumps(result.report, allow_nan=False)
+
+
+def test_zero_baseline_loss_has_no_relative_error_but_counts_in_the_normalized_sum():
+    b = {1: 0.0, 2: 2.0, 3: 4.0}
+    c = {1: 0.1, 2: 2.2, 3: 4.0}
+    result = compare_runs(make_run(b), make_run(c), loss_threshold=0.1)
+    loss = result.report["loss"]
+    assert loss["normalized_mean_abs_diff"] == pytest.approx((0.1 + 0.2) / 6.0)
+    assert loss["relative_error_mean"] == pytest.approx((0.1 + 0.0) / 2)
+    assert loss["relative_error_max_step"] == 2
+    assert any("baseline loss is 0 at 1 step" in w for w in result.report["warnings"])

@@ -192,3 +192,16 @@ def test_plot_without_matplotlib_says_how_to_install_it(runs, tmp_path, monkeypa
     assert result.exit_code == 2
     assert "pip install 'magistral-cli[plot]'" in result.stderr
     assert not (tmp_path / "p.png").exists()
+
+
+def test_real_process_keeps_json_on_stdout_and_the_table_on_stderr(runs):
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-m", "magistral_cli", "compare", str(runs["baseline"]), str(runs["far"]), "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1
+    assert json.loads(out.stdout)["pass"] is False
+    assert "FAIL" in out.stderr and "{" not in out.stderr
