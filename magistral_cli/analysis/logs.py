@@ -225,7 +225,8 @@ def _read_wall_s(summary: Path) -> float | None:
         data = json.loads(summary.read_text())
     except (OSError, json.JSONDecodeError):
         raise UserError(f"{summary} is not valid JSON; remove it or fix it") from None
-    return _number(data.get("wall_s")) if isinstance(data, dict) else None
+    wall_s = _number(data.get("wall_s")) if isinstance(data, dict) else None
+    return wall_s if wall_s is not None and math.isfinite(wall_s) else None
 
 
 def _fields(text: str) -> dict[str, str]:
