@@ -37,8 +37,12 @@ _HELP = (
 
 
 def compare(
-    baseline: Annotated[Path, typer.Argument(help=f"The reference. {_SOURCE_HELP}", show_default=False)],
-    candidate: Annotated[Path, typer.Argument(help=f"The run judged. {_SOURCE_HELP}", show_default=False)],
+    baseline: Annotated[
+        Path, typer.Argument(metavar="BASELINE", help=f"The reference. {_SOURCE_HELP}", show_default=False)
+    ],
+    candidate: Annotated[
+        Path, typer.Argument(metavar="CANDIDATE", help=f"The run judged. {_SOURCE_HELP}", show_default=False)
+    ],
     skip_steps: Annotated[
         int, typer.Option("--skip-steps", min=0, help="Warm-up: step times of steps 1..N are left out.")
     ] = DEFAULT_SKIP_STEPS,
@@ -59,7 +63,8 @@ def compare(
     plot: Annotated[
         Optional[Path],
         typer.Option(
-            "--plot", help="Write a PNG with loss curves, relative error and step times (needs [plot])."
+            "--plot",
+            help="Write a PNG with loss curves, relative error and step times (needs the \\[plot] extra).",
         ),
     ] = None,
 ) -> None:
