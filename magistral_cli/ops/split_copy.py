@@ -1,0 +1,216 @@
+"""A Triton kernel for FSDP2's all-gather copy-out (``torch.ops.fsdp.split_with_sizes_copy``).
+
+After each all-gather, FSDP2 splits the rank-major buffer ``(world_size, sum(sizes))`` into
+one ``(world_size, n)`` tensor per parameter. On Ascend the native ``split_with_sizes_copy``
+issues many small strided copies; this kernel copies each parameter's columns for all ranks in
+one launch. It is opt-in (``parallel.fsdp_plan.use_triton_split_copy``) and registered for
+this process only.
+
+Anything the kernel was not written for (other dtypes, non-contiguous or aliased tensors,
+logical negative / conjugate views, tensors that require grad, blocked NPU formats such as
+FRACTAL_NZ) goes to the native op, so the result and the errors are exactly native's.
+
+On the CPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``), which is how
+its logic is tested on machines without an accelerator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+import os
+import warnings
+from collections.abc import Iterator, Sequence
+from functools import cache
+import torch
+
+from magistral_cli.errors import UserError
+
+#: The schema this kernel implements; another one means another FSDP2 and a silent no-op.
+EXPECTED_SCHEMA = (
+    "fsdp::split_with_sizes_copy(Tensor all_gather_output, SymInt[] all_gather_input_split_sizes, "
+    "int dim=0, *, Tensor(a!)[] out) -> ()"
+)
+#: dtypes the kernel copies (bitwise; anything else goes to the native op).
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.int8)
+#: Elements per program; parts larger than this use several programs along grid axis 0.
+BLOCK = 32768
+#: NPU formats whose logical strides describe the storage (ND and NCHW); others are blocked.
+_PLAIN_NPU_FORMATS = (0, 2)
+
+#: How many calls took each path in this process (the probe checks the kernel really ran).
+calls = {"kernel": 0, "native": 0}
+
+_registration: torch.library.Library | None = None
+
+
+class SplitCopyUnavailable(UserError):
+    """This torch / triton cannot take the kernel: says why and how to turn the option off."""
+
+
+def _interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``), read at call time."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@cache
+def _kernel(interpret: bool):
+    from ._split_copy_kernel import build
+
+    return build(interpret)
+
+
+def unsupported_reason(
+    source: torch.Tensor, sizes: Sequence[int], dim: int, out: Sequence[torch.Tensor]
+) -> str | None:
+    """Why the kernel cannot take this call (the native op then does), or None when it can."""
+    device = source.device.type
+    if device == "cpu" and not _interpreting():
+        return "CPU tensors need TRITON_INTERPRET=1"
+    if device not in ("cpu", "cuda", "npu"):
+        return f"device {device}"
+    if source.layout != torch.strided or source.ndim != 2 or dim != 1:
+        return "only a 2-D strided source split along dim 1"
+    if not source.is_contiguous():
+        return "non-contiguous source"
+    if source.is_neg() or source.is_conj():
+        return "logical negative or conjugate source view"
+    if source.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {source.dtype}"
+    if source.numel() > 2**31 - 1:
+        return "more than 2**31 - 1 elements"
+    if source.requires_grad or any(t.requires_grad for t in out):
+        return "tensors that require grad"
+    if len(sizes) != len(out) or any(int(n) < 0 for n in sizes) or sum(int(n) for n in sizes) != source.shape[1]:
+        return "split sizes that do not match the outputs"
+    for t, n in zip(out, sizes):
+        if (
+            t.device != source.device
+            or t.dtype != source.dtype
+            or t.layout != torch.strided
+            or t.is_neg()
+            or t.is_conj()
+            or tuple(t.shape) != (source.shape[0], int(n))
+            or not t.is_contiguous()
+        ):
+            return "an output that is not a contiguous (world_size, n) tensor like the source"
+    if device == "npu":
+        import torch_npu
+
+        # Logical strides do not describe blocked NPU storage such as FRACTAL_NZ.
+        if any(torch_npu.get_npu_format(t) not in _PLAIN_NPU_FORMATS for t in (source, *out)):
+            return "blocked NPU format"
+    storages = [t.untyped_storage().data_ptr() for t in (source, *out)]
+    if len(set(storages)) != len(storages):
+        return "tensors that share storage"
+    return None
+
+
+def split_with_sizes_copy(
+    all_gather_output: torch.Tensor,
+    all_gather_input_split_sizes: Sequence[int],
+    dim: int = 0,
+    *,
+    out: list[torch.Tensor],
+) -> None:
+    """Our implementation of ``fsdp::split_with_sizes_copy``: the kernel, or the native op."""
+    source, sizes = all_gather_output, [int(n) for n in all_gather_input_split_sizes]
+    if unsupported_reason(source, sizes, dim, out) is not None:
+        calls["native"] += 1
+        torch.split_with_sizes_copy(source, all_gather_input_split_sizes, dim=dim, out=out)
+        return
+    calls["kernel"] += 1
+    kernel = _kernel(_interpreting())
+    world, stride = source.shape[0], source.shape[1]
+    offset = 0
+    for n, output in zip(sizes, out):
+        if n:
+            kernel[(-(-n // BLOCK), world)](source, output, n, stride, offset, BLOCK)
+        offset += n
+    # The native out= op bumps each output's version counter once; a Triton store does not,
+    # so do it here. FSDP2 wraps the call in _unsafe_preserve_version_counter, which undoes it.
+    torch.autograd.graph.increment_version(out)
+
+
+def check_fsdp_op() -> None:
+    """Raise SplitCopyUnavailable unless this torch's FSDP2 calls the op we implement, with our schema."""
+    fix = "set parallel.fsdp_plan.use_triton_split_copy: false"
+    if importlib.util.find_spec("triton") is None:
+        raise SplitCopyUnavailable(
+            f"use_triton_split_copy needs triton (triton-ascend on NPU), which is not installed: install it or {fix}"
+        )
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+    except ImportError as exc:
+        raise SplitCopyUnavailable(
+            f"use_triton_split_copy: torch {torch.__version__} has no FSDP2 collectives module ({exc}); {fix}"
+        ) from None
+    try:
+        schema = str(torch.ops.fsdp.split_with_sizes_copy.default._schema)
+    except (AttributeError, RuntimeError):
+        schema = None
+    if schema != EXPECTED_SCHEMA:
+        raise SplitCopyUnavailable(
+            f"use_triton_split_copy: torch {torch.__version__}'s FSDP2 "
+            + ("has no fsdp::split_with_sizes_copy op" if schema is None else f"defines {schema}")
+            + f", not the {EXPECTED_SCHEMA} this kernel implements; {fix}"
+        )
+    source = inspect.getsource(_fsdp_collectives.foreach_all_gather_copy_out)
+    if "torch.ops.fsdp.split_with_sizes_copy" not in source:
+        raise SplitCopyUnavailable(
+            f"use_triton_split_copy: torch {torch.__version__}'s FSDP2 no longer copies out through "
+            f"torch.ops.fsdp.split_with_sizes_copy, so the kernel would never run; {fix}"
+        )
+
+
+def _register(dispatch_keys: Sequence[str]) -> torch.library.Library:
+    library = torch.library.Library("fsdp", "IMPL")
+    with warnings.catch_warnings():
+        # Overriding FSDP2's own registration is the point; torch warns about any override.
+        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel.*")
+        warnings.filterwarnings("ignore", message=".*Warning only once for all operators.*")
+        for key in dispatch_keys:
+            library.impl("split_with_sizes_copy", split_with_sizes_copy, key, allow_override=True)
+    return library
+
+
+def enable_triton_split_copy() -> None:
+    """Register the kernel for FSDP2's copy-out on NPU (PrivateUse1) and CUDA for this process.
+
+    Idempotent. Raises SplitCopyUnavailable (a UserError) at start-up when triton is missing or
+    when this torch's FSDP2 lacks the op or defines it with another signature.
+    """
+    global _registration
+    if _registration is not None:
+        return
+    check_fsdp_op()
+    _registration = _register(("PrivateUse1", "CUDA"))
+
+
+@contextlib.contextmanager
+def registered(dispatch_key: str = "CPU") -> Iterator[None]:
+    """Register the kernel for one dispatch key inside the block only (the probe and tests use "CPU").
+
+    On exit the registration is removed and FSDP2's native implementation is back.
+    """
+    check_fsdp_op()
+    library = _register((dispatch_key,))
+    try:
+        yield
+    finally:
+        library._destroy()
+
+
+@contextlib.contextmanager
+def triton_interpreter() -> Iterator[None]:
+    """Run the kernel under Triton's interpreter inside the block (sets TRITON_INTERPRET=1)."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old

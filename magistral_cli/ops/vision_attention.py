@@ -1,0 +1,201 @@
+"""Per-image attention for the Pixtral vision tower, without forking the model.
+
+Pixtral flattens the patches of every image of a batch into one sequence. Attention must
+stay inside each image. transformers' eager / sdpa path does that with a dense block mask of
+``(patches, patches)``; for Magistral's 1540-pixel images (12100 patches each) that mask alone
+is hundreds of MiB. Here attention sees the per-image sequence lengths instead:
+
+- CPU: ``scaled_dot_product_attention`` per image;
+- CUDA: ``flash_attn_varlen_func`` when flash-attn is installed (sdpa per image otherwise);
+- NPU: ``torch_npu.npu_fusion_attention`` in the ``TND`` layout with the actual sequence lengths.
+
+It is wired in through transformers' attention-function registry (``AttentionInterface``)
+and a forward pre-hook on the tower that passes the lengths (as the seed's
+``_prepare_vision_attention`` did). Only the tower's config changes; the decoder keeps its own
+attention. The tower is replicated across context-parallel ranks, so this function never
+communicates: a vision tower must not join the decoder's sequence split.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from itertools import accumulate
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from magistral_cli.errors import UserError
+
+#: The name in transformers' AttentionInterface. It contains "flash" on purpose: for such
+#: implementations transformers passes ``cu_seq_lens_*`` and builds no dense block mask.
+ATTENTION_NAME = "magistral_vision_flash_varlen"
+
+_HOOK_FLAG = "_magistral_vision_attention_hook"
+
+
+def image_sequence_lengths(image_sizes: Any, patch_size: int, count: int | None = None) -> list[int]:
+    """Patches per image: (height // patch) * (width // patch) for each (height, width)."""
+    if isinstance(image_sizes, torch.Tensor):
+        image_sizes = image_sizes.tolist()
+    lengths = [(int(h) // patch_size) * (int(w) // patch_size) for h, w in image_sizes]
+    if count is not None and len(lengths) != count:
+        raise ValueError(f"{len(lengths)} image sizes for {count} images")
+    return lengths
+
+
+def vision_attention_backend(device: str) -> str:
+    """The kernel the tower uses on ``device`` (for logs and the probe's report)."""
+    if device == "npu":
+        return "torch_npu.npu_fusion_attention(TND, actual_seq_qlen)"
+    if device == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attn.flash_attn_varlen_func"
+    return "torch sdpa per image"
+
+
+def _ends(cu_seq_lens: Any, total: int) -> list[int]:
+    """Cumulative end offsets (without the leading 0) from HF-style cu_seq_lens, or one sequence."""
+    if cu_seq_lens is None:
+        return [total]
+    ends = [int(x) for x in (cu_seq_lens.tolist() if isinstance(cu_seq_lens, torch.Tensor) else cu_seq_lens)]
+    if ends and ends[0] == 0:
+        ends = ends[1:]
+    if not ends or ends[-1] != total or any(b < a for a, b in zip([0, *ends], ends)):
+        raise ValueError(f"vision attention: sequence offsets {ends} do not cover {total} patches")
+    return ends
+
+
+def _sdpa_per_image(query, key, value, ends, dropout, scaling):
+    outputs = []
+    start = 0
+    for end in ends:
+        if end > start:
+            outputs.append(
+                F.scaled_dot_product_attention(
+                    query[:, :, start:end],
+                    key[:, :, start:end],
+                    value[:, :, start:end],
+                    dropout_p=dropout,
+                    scale=scaling,
+                )
+            )
+        start = end
+    return torch.cat(outputs, dim=2).transpose(1, 2)  # (batch, seq, heads, dim)
+
+
+def _flash_varlen(query, key, value, ends, dropout, scaling):
+    from flash_attn import flash_attn_varlen_func
+
+    cu = torch.tensor([0, *ends], dtype=torch.int32, device=query.device)
+    max_len = max(b - a for a, b in zip([0, *ends], ends))
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (seq, heads, dim)
+    out = flash_attn_varlen_func(
+        q, k, v, cu, cu, max_len, max_len, dropout_p=dropout, softmax_scale=scaling, causal=False
+    )
+    return out.unsqueeze(0)
+
+
+def _npu_fusion(query, key, value, ends, dropout, scaling):
+    import torch_npu
+
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # TND
+    out = torch_npu.npu_fusion_attention(
+        q,
+        k,
+        v,
+        query.shape[1],
+        input_layout="TND",
+        scale=scaling,
+        keep_prob=1.0 - dropout,
+        actual_seq_qlen=ends,
+        actual_seq_kvlen=ends,
+    )[0]
+    return out.unsqueeze(0)
+
+
+def vision_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    cu_seq_lens_q: Any = None,
+    cu_seq_lens_k: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention within each image; the AttentionInterface signature, (batch, seq, heads, dim) out."""
+    if query.shape[0] != 1:
+        raise ValueError(f"vision attention expects Pixtral's single packed sequence, got batch {query.shape[0]}")
+    total = query.shape[2]
+    ends = _ends(cu_seq_lens_q, total)
+    if cu_seq_lens_k is not None and _ends(cu_seq_lens_k, total) != ends:
+        raise ValueError("vision attention: query and key image boundaries differ")
+    if cu_seq_lens_q is None and attention_mask is not None:
+        raise ValueError(
+            "vision attention got a dense mask but no image lengths: call apply_vision_attention(model, device)"
+        )
+    device = query.device.type
+    if device == "npu":
+        out = _npu_fusion(query, key, value, ends, dropout, scaling)
+    elif (
+        device == "cuda"
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and importlib.util.find_spec("flash_attn") is not None
+    ):
+        out = _flash_varlen(query, key, value, ends, dropout, scaling)
+    else:
+        out = _sdpa_per_image(query, key, value, ends, dropout, scaling)
+    return out, None
+
+
+def _prepare_vision_attention(module, args, kwargs):
+    """Forward pre-hook on the tower: pass per-image lengths so attention keeps image boundaries."""
+    pixel_values = args[0] if args else kwargs["pixel_values"]
+    image_sizes = args[1] if len(args) > 1 else kwargs.get("image_sizes")
+    if image_sizes is None:
+        image_sizes = [tuple(pixel_values.shape[-2:])] * pixel_values.shape[0]
+    lengths = image_sequence_lengths(image_sizes, module.patch_size)
+    cu = torch.tensor([0, *accumulate(lengths)], dtype=torch.int32, device=pixel_values.device)
+    kwargs = dict(kwargs)
+    kwargs.update(
+        cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths)
+    )
+    return args, kwargs
+
+
+def find_vision_towers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The Pixtral vision towers inside ``model`` (the model itself if it is one)."""
+    from transformers.models.pixtral.modeling_pixtral import PixtralVisionModel
+
+    return [m for m in model.modules() if isinstance(m, PixtralVisionModel)]
+
+
+def apply_vision_attention(model: torch.nn.Module, device: str) -> None:
+    """Make every Pixtral tower of ``model`` attend within each image, with the kernel of ``device``.
+
+    Registers :func:`vision_attention_forward` in transformers' AttentionInterface, points the
+    towers' config at it and adds the pre-hook that passes the image lengths. Idempotent.
+    Raises UserError when ``model`` has no Pixtral tower or ``device`` cannot run it.
+    """
+    from transformers import AttentionInterface
+
+    if device not in ("cpu", "cuda", "npu"):
+        raise UserError(f"vision attention: unknown device {device!r}; use cpu, cuda or npu")
+    if device == "npu":
+        try:
+            import torch_npu
+        except ImportError:
+            raise UserError("vision attention on npu needs torch_npu; install it or train on cpu/cuda") from None
+        if not hasattr(torch_npu, "npu_fusion_attention"):
+            raise UserError("this torch_npu has no npu_fusion_attention; upgrade torch_npu (see the README)")
+    towers = find_vision_towers(model)
+    if not towers:
+        raise UserError("vision attention: the model has no Pixtral vision tower (PixtralVisionModel)")
+    AttentionInterface.register(ATTENTION_NAME, vision_attention_forward)
+    for tower in towers:
+        tower.config._attn_implementation = ATTENTION_NAME
+        if not getattr(tower, _HOOK_FLAG, False):
+            tower.register_forward_pre_hook(_prepare_vision_attention, with_kwargs=True)
+            setattr(tower, _HOOK_FLAG, True)
