@@ -1,16 +1,119 @@
-"""`magistral probe`."""
+"""`magistral probe NAME`: device and numerics checks for CI.
+
+vision-attention, split-copy, train-smoke, or all. Each prints PASS / FAIL / SKIP with the
+reason (``--json``: one object, or a list for ``all``). Exit 1 on any FAIL, 0 otherwise;
+``--require-device`` makes a SKIP a failure, for CI machines that do have the device.
+"""
 
 from __future__ import annotations
 
+from typing import Annotated, Any, List, Optional
+
 import typer
 
-from .pending import register_pending
+from magistral_cli.errors import CheckFailed, UserError
+
+from .output import console, emit_json
+
+NAMES = ("vision-attention", "split-copy", "train-smoke", "all")
+DEVICES = ("auto", "cpu", "cuda", "npu")
+_STYLE = {"PASS": "green", "FAIL": "bold red", "SKIP": "yellow"}
 
 
 def register(app: typer.Typer) -> None:
-    register_pending(
-        app,
-        "probe",
-        "Device and numerics checks (split-copy, vision attention, train smoke).",
-        "device probes are planned.",
+    @app.command(
+        name="probe",
+        help=(
+            "Device and numerics checks: vision-attention (--mode default|ulysses|ring|hybrid), "
+            "split-copy (the Triton FSDP2 copy-out; interpreted on the CPU), "
+            "train-smoke (--nproc, --mode default|multi, --steps), or all."
+        ),
     )
+    def probe(
+        name: Annotated[str, typer.Argument(help=f"One of: {', '.join(NAMES)}.", show_default=False)],
+        device: Annotated[
+            str, typer.Option("--device", help="auto (npu, then cuda, then cpu), cpu, cuda or npu.")
+        ] = "auto",
+        mode: Annotated[
+            Optional[str],
+            typer.Option(
+                "--mode",
+                help="vision-attention: default|ulysses|ring|hybrid; train-smoke: default|multi.",
+                show_default=False,
+            ),
+        ] = None,
+        nproc: Annotated[
+            Optional[int],
+            typer.Option("--nproc", min=1, help="train-smoke ranks (default 2 on the CPU).", show_default=False),
+        ] = None,
+        steps: Annotated[int, typer.Option("--steps", min=1, help="train-smoke steps.")] = 30,
+        json_output: Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")] = False,
+        require_device: Annotated[
+            bool, typer.Option("--require-device", help="Treat SKIP as a failure (CI with the device).")
+        ] = False,
+    ) -> None:
+        results = run(name, device=device, mode=mode, nproc=nproc, steps=steps, require_device=require_device)
+        payload: Any = results if name == "all" else results[0]
+        if json_output:
+            emit_json(payload)
+        else:
+            render(results)
+        failed = [r for r in results if r["result"] == "FAIL"]
+        if failed:
+            names = ", ".join(f"{r['probe']} ({r['mode']})" for r in failed)
+            raise CheckFailed(f"probe failed: {names}")
+
+
+def run(
+    name: str,
+    *,
+    device: str = "auto",
+    mode: str | None = None,
+    nproc: int | None = None,
+    steps: int = 30,
+    require_device: bool = False,
+) -> List[dict]:
+    """Validate the arguments, run the probe(s) and return their JSON objects."""
+    if name not in NAMES:
+        raise UserError(f"unknown probe {name!r}: choose one of {', '.join(NAMES)}")
+    if device not in DEVICES:
+        raise UserError(f"--device {device!r} is not one of {', '.join(DEVICES)}")
+    from magistral_cli.probes import PROBE_MODES, resolve_probe_device, run_all, run_probe
+
+    if name == "all":
+        if mode is not None:
+            raise UserError("--mode applies to one probe; `magistral probe all` runs each probe in its default mode")
+    else:
+        modes = PROBE_MODES[name]
+        if mode is not None and mode not in modes:
+            raise UserError(f"--mode {mode!r} is not a mode of {name}: choose one of {', '.join(modes)}")
+    if name != "train-smoke" and name != "all" and nproc is not None:
+        raise UserError("--nproc applies to train-smoke only")
+    resolved = resolve_probe_device(device)
+    if name == "all":
+        results = run_all(resolved, nproc=nproc, steps=steps)
+    else:
+        results = [run_probe(name, resolved, mode or PROBE_MODES[name][0], nproc=nproc, steps=steps)]
+    out = [r.to_json() for r in results]
+    if require_device:
+        for r in out:
+            if r["result"] == "SKIP":
+                r["result"] = "FAIL"
+                r["reason"] = f"skipped, which --require-device does not allow: {r['reason']}"
+    return out
+
+
+def render(results: List[dict]) -> None:
+    from rich.table import Table
+
+    table = Table(show_header=True, header_style="bold")
+    for column in ("probe", "device", "mode", "result", "reason"):
+        table.add_column(column, overflow="fold")
+    for r in results:
+        style = _STYLE.get(r["result"], "")
+        table.add_row(r["probe"], r["device"], r["mode"], f"[{style}]{r['result']}[/]", r["reason"])
+    console.print(table)
+    for r in results:
+        for case in r["cases"]:
+            if case.get("result") == "FAIL":
+                console.print(f"[red]{r['probe']}: {case['name']}: {case.get('error', '')}[/]", soft_wrap=True)

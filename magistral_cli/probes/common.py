@@ -33,8 +33,19 @@ class ProbeResult:
             "mode": self.mode,
             "result": self.result,
             "reason": self.reason,
-            "cases": self.cases,
+            "cases": _json_safe(self.cases),
         }
+
+
+def _json_safe(value: Any) -> Any:
+    """Non-finite floats as strings ("nan", "inf"): strict JSON has no NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def skip(probe: str, device: str, mode: str, reason: str) -> ProbeResult:
