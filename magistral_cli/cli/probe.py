@@ -44,7 +44,9 @@ def register(app: typer.Typer) -> None:
         ] = None,
         nproc: Annotated[
             Optional[int],
-            typer.Option("--nproc", min=1, help="train-smoke ranks (default 2 on the CPU).", show_default=False),
+            typer.Option(
+                "--nproc", min=1, help="train-smoke ranks (default 2 on the CPU).", show_default=False
+            ),
         ] = None,
         steps: Annotated[int, typer.Option("--steps", min=1, help="train-smoke steps.")] = 30,
         json_output: Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")] = False,
@@ -82,7 +84,9 @@ def run(
 
     if name == "all":
         if mode is not None:
-            raise UserError("--mode applies to one probe; `magistral probe all` runs each probe in its default mode")
+            raise UserError(
+                "--mode applies to one probe; `magistral probe all` runs each probe in its default mode"
+            )
     else:
         modes = PROBE_MODES[name]
         if mode is not None and mode not in modes:
@@ -116,4 +120,6 @@ def render(results: List[dict]) -> None:
     for r in results:
         for case in r["cases"]:
             if case.get("result") == "FAIL":
-                console.print(f"[red]{r['probe']}: {case['name']}: {case.get('error', '')}[/]", soft_wrap=True)
+                console.print(
+                    f"[red]{r['probe']}: {case['name']}: {case.get('error', '')}[/]", soft_wrap=True
+                )

@@ -83,7 +83,9 @@ def check_module(name: str, module: torch.nn.Module) -> None:
             "match only the Linear layers (e.g. model.language_model.layers.{*}.mlp.down_proj)"
         )
     if module.bias is not None:
-        raise UserError(f"{WHAT}: {name!r} is a Linear with a bias; only bias-free Linear layers are supported")
+        raise UserError(
+            f"{WHAT}: {name!r} is a Linear with a bias; only bias-free Linear layers are supported"
+        )
 
 
 def apply_contiguous_linear_grad(

@@ -24,7 +24,9 @@ def freeze_after_init() -> int:
     """
     global _frozen
     if _frozen:
-        raise RuntimeError("freeze_after_init was already called in this process: it supports one training run per process")
+        raise RuntimeError(
+            "freeze_after_init was already called in this process: it supports one training run per process"
+        )
     if not gc.isenabled():
         raise UserError(
             "training.freeze_gc_after_init needs automatic garbage collection, which is disabled in this process "

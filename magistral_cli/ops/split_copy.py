@@ -23,6 +23,7 @@ import os
 import warnings
 from collections.abc import Iterator, Sequence
 from functools import cache
+
 import torch
 
 from magistral_cli.errors import UserError
@@ -82,9 +83,13 @@ def unsupported_reason(
         return "more than 2**31 - 1 elements"
     if source.requires_grad or any(t.requires_grad for t in out):
         return "tensors that require grad"
-    if len(sizes) != len(out) or any(int(n) < 0 for n in sizes) or sum(int(n) for n in sizes) != source.shape[1]:
+    if (
+        len(sizes) != len(out)
+        or any(int(n) < 0 for n in sizes)
+        or sum(int(n) for n in sizes) != source.shape[1]
+    ):
         return "split sizes that do not match the outputs"
-    for t, n in zip(out, sizes):
+    for t, n in zip(out, sizes, strict=True):
         if (
             t.device != source.device
             or t.dtype != source.dtype
@@ -101,7 +106,8 @@ def unsupported_reason(
         # Logical strides do not describe blocked NPU storage such as FRACTAL_NZ.
         if any(torch_npu.get_npu_format(t) not in _PLAIN_NPU_FORMATS for t in (source, *out)):
             return "blocked NPU format"
-    storages = [t.untyped_storage().data_ptr() for t in (source, *out)]
+    # Empty tensors are never written (and may all have a null data pointer).
+    storages = [t.untyped_storage().data_ptr() for t in (source, *out) if t.numel()]
     if len(set(storages)) != len(storages):
         return "tensors that share storage"
     return None
@@ -124,7 +130,7 @@ def split_with_sizes_copy(
     kernel = _kernel(_interpreting())
     world, stride = source.shape[0], source.shape[1]
     offset = 0
-    for n, output in zip(sizes, out):
+    for n, output in zip(sizes, out, strict=True):
         if n:
             kernel[(-(-n // BLOCK), world)](source, output, n, stride, offset, BLOCK)
         offset += n

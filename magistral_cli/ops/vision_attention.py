@@ -60,7 +60,7 @@ def _ends(cu_seq_lens: Any, total: int) -> list[int]:
     ends = [int(x) for x in (cu_seq_lens.tolist() if isinstance(cu_seq_lens, torch.Tensor) else cu_seq_lens)]
     if ends and ends[0] == 0:
         ends = ends[1:]
-    if not ends or ends[-1] != total or any(b < a for a, b in zip([0, *ends], ends)):
+    if not ends or ends[-1] != total or any(b < a for a, b in zip([0, *ends], ends, strict=False)):
         raise ValueError(f"vision attention: sequence offsets {ends} do not cover {total} patches")
     return ends
 
@@ -87,7 +87,7 @@ def _flash_varlen(query, key, value, ends, dropout, scaling):
     from flash_attn import flash_attn_varlen_func
 
     cu = torch.tensor([0, *ends], dtype=torch.int32, device=query.device)
-    max_len = max(b - a for a, b in zip([0, *ends], ends))
+    max_len = max(b - a for a, b in zip([0, *ends], ends, strict=False))
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (seq, heads, dim)
     out = flash_attn_varlen_func(
         q, k, v, cu, cu, max_len, max_len, dropout_p=dropout, softmax_scale=scaling, causal=False
@@ -127,7 +127,9 @@ def vision_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """Attention within each image; the AttentionInterface signature, (batch, seq, heads, dim) out."""
     if query.shape[0] != 1:
-        raise ValueError(f"vision attention expects Pixtral's single packed sequence, got batch {query.shape[0]}")
+        raise ValueError(
+            f"vision attention expects Pixtral's single packed sequence, got batch {query.shape[0]}"
+        )
     total = query.shape[2]
     ends = _ends(cu_seq_lens_q, total)
     if cu_seq_lens_k is not None and _ends(cu_seq_lens_k, total) != ends:
@@ -159,9 +161,7 @@ def _prepare_vision_attention(module, args, kwargs):
     lengths = image_sequence_lengths(image_sizes, module.patch_size)
     cu = torch.tensor([0, *accumulate(lengths)], dtype=torch.int32, device=pixel_values.device)
     kwargs = dict(kwargs)
-    kwargs.update(
-        cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths)
-    )
+    kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
     return args, kwargs
 
 
@@ -170,6 +170,17 @@ def find_vision_towers(model: torch.nn.Module) -> list[torch.nn.Module]:
     from transformers.models.pixtral.modeling_pixtral import PixtralVisionModel
 
     return [m for m in model.modules() if isinstance(m, PixtralVisionModel)]
+
+
+def set_attention_implementation(tower: torch.nn.Module, name: str) -> None:
+    """Point the config of the tower and of every module inside it at attention ``name``.
+
+    Normally they share one config object; a copied or re-configured tower may not.
+    """
+    for module in tower.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = name
 
 
 def apply_vision_attention(model: torch.nn.Module, device: str) -> None:
@@ -187,7 +198,9 @@ def apply_vision_attention(model: torch.nn.Module, device: str) -> None:
         try:
             import torch_npu
         except ImportError:
-            raise UserError("vision attention on npu needs torch_npu; install it or train on cpu/cuda") from None
+            raise UserError(
+                "vision attention on npu needs torch_npu; install it or train on cpu/cuda"
+            ) from None
         if not hasattr(torch_npu, "npu_fusion_attention"):
             raise UserError("this torch_npu has no npu_fusion_attention; upgrade torch_npu (see the README)")
     towers = find_vision_towers(model)
@@ -195,7 +208,7 @@ def apply_vision_attention(model: torch.nn.Module, device: str) -> None:
         raise UserError("vision attention: the model has no Pixtral vision tower (PixtralVisionModel)")
     AttentionInterface.register(ATTENTION_NAME, vision_attention_forward)
     for tower in towers:
-        tower.config._attn_implementation = ATTENTION_NAME
+        set_attention_implementation(tower, ATTENTION_NAME)
         if not getattr(tower, _HOOK_FLAG, False):
             tower.register_forward_pre_hook(_prepare_vision_attention, with_kwargs=True)
             setattr(tower, _HOOK_FLAG, True)

@@ -18,7 +18,16 @@ PROBE_MODES: dict[str, tuple[str, ...]] = {
     "train-smoke": ("default", "multi"),
 }
 
-__all__ = ["FAIL", "PASS", "PROBE_MODES", "SKIP", "ProbeResult", "resolve_probe_device", "run_all", "run_probe"]
+__all__ = [
+    "FAIL",
+    "PASS",
+    "PROBE_MODES",
+    "SKIP",
+    "ProbeResult",
+    "resolve_probe_device",
+    "run_all",
+    "run_probe",
+]
 
 
 def run_probe(name: str, device: str, mode: str = "default", **options: Any) -> ProbeResult:

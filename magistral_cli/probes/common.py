@@ -82,7 +82,9 @@ class Cases:
             first = failed[0]
             reason = f"{len(failed)} of {len(self.cases)} cases failed; first: {first['name']}: {first.get('error')}"
             return ProbeResult(probe, device, mode, FAIL, reason, self.cases)
-        return ProbeResult(probe, device, mode, PASS, f"{len(self.cases)} cases passed: {passed_reason}", self.cases)
+        return ProbeResult(
+            probe, device, mode, PASS, f"{len(self.cases)} cases passed: {passed_reason}", self.cases
+        )
 
 
 def device_missing_reason(device: str) -> str | None:

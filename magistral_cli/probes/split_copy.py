@@ -100,13 +100,18 @@ def run_split_copy_probe(
             if implementation is not None:
                 library._destroy()
     result = cases.result(
-        PROBE, device, mode, f"{how} bitwise equal to native, native version bump ({native_delta}), native fallbacks"
+        PROBE,
+        device,
+        mode,
+        f"{how} bitwise equal to native, native version bump ({native_delta}), native fallbacks",
     )
     result.cases.insert(0, {"name": "native version delta", "value": native_delta, "result": "INFO"})
     return result
 
 
-def _run_cases(cases: Cases, torch, op, split_copy, device, native_delta, native_negative, split_sizes) -> None:
+def _run_cases(
+    cases: Cases, torch, op, split_copy, device, native_delta, native_negative, split_sizes
+) -> None:
     torch.manual_seed(43)
     for dtype_name in DTYPE_NAMES:
         dtype = getattr(torch, dtype_name)
@@ -120,23 +125,35 @@ def _run_cases(cases: Cases, torch, op, split_copy, device, native_delta, native
                     versions = [t._version for t in actual]
                     kernel_calls = split_copy.calls["kernel"]
                     op(source, sizes, dim=1, out=actual)
-                    assert split_copy.calls["kernel"] == kernel_calls + 1, "the kernel did not run (native fallback)"
-                    for a, e in zip(actual, expected):
+                    assert split_copy.calls["kernel"] == kernel_calls + 1, (
+                        "the kernel did not run (native fallback)"
+                    )
+                    for a, e in zip(actual, expected, strict=True):
                         assert torch.equal(a, e), "values differ from native split_with_sizes_copy"
-                    delta = [t._version - v for t, v in zip(actual, versions)]
-                    assert delta == [native_delta] * len(sizes), f"version bumps {delta}, native {native_delta}"
+                    delta = [t._version - v for t, v in zip(actual, versions, strict=True)]
+                    assert delta == [native_delta] * len(sizes), (
+                        f"version bumps {delta}, native {native_delta}"
+                    )
                     versions = [t._version for t in actual]
                     for t in actual:
                         t.fill_(7)
                     versions = [t._version for t in actual]
                     with torch.autograd._unsafe_preserve_version_counter(tuple(actual)):
                         op(source, sizes, dim=1, out=actual)
-                    assert [t._version for t in actual] == versions, "version counters moved under preservation"
-                    for a, e in zip(actual, expected):
+                    assert [t._version for t in actual] == versions, (
+                        "version counters moved under preservation"
+                    )
+                    for a, e in zip(actual, expected, strict=True):
                         assert torch.equal(a, e), "values differ on the version-preserving call"
                     return {"version_delta": delta[0] if delta else None}
 
-                cases.run(f"{dtype_name} world={world} sizes={sizes}", check, dtype=dtype_name, world=world, sizes=sizes)
+                cases.run(
+                    f"{dtype_name} world={world} sizes={sizes}",
+                    check,
+                    dtype=dtype_name,
+                    world=world,
+                    sizes=sizes,
+                )
 
     def inference_mode():
         with torch.inference_mode():
@@ -145,7 +162,7 @@ def _run_cases(cases: Cases, torch, op, split_copy, device, native_delta, native
             kernel_calls = split_copy.calls["kernel"]
             op(source, [3, 5, 7], dim=1, out=actual)
             assert split_copy.calls["kernel"] == kernel_calls + 1, "the kernel did not run in inference mode"
-            for a, e in zip(actual, source.split([3, 5, 7], dim=1)):
+            for a, e in zip(actual, source.split([3, 5, 7], dim=1), strict=True):
                 assert torch.equal(a, e), "values differ in inference mode"
 
     cases.run("inference mode", inference_mode)
@@ -157,8 +174,10 @@ def _run_cases(cases: Cases, torch, op, split_copy, device, native_delta, native
         actual = [torch.empty(n, 8, device=device).t() for n in sizes]
         native_calls = split_copy.calls["native"]
         op(source, sizes, dim=1, out=actual)
-        assert split_copy.calls["native"] == native_calls + 1, "non-contiguous tensors did not take the native op"
-        for a, e in zip(actual, expected):
+        assert split_copy.calls["native"] == native_calls + 1, (
+            "non-contiguous tensors did not take the native op"
+        )
+        for a, e in zip(actual, expected, strict=True):
             assert torch.equal(a, e), "fallback values differ from native"
 
     cases.run("fallback: non-contiguous source and outputs", noncontiguous)
@@ -176,7 +195,7 @@ def _run_cases(cases: Cases, torch, op, split_copy, device, native_delta, native
             if native_error is None:
                 torch.split_with_sizes_copy(original, [3, 5, 7], dim=1, out=expected)
                 op(original, [3, 5, 7], dim=1, out=actual)
-                for a, e in zip(actual, expected):
+                for a, e in zip(actual, expected, strict=True):
                     assert torch.equal(a, e), "negative-view fallback values differ from native"
                 return {"native_error": None}
             got = _native_outcome(lambda: op(original, [3, 5, 7], dim=1, out=actual))
@@ -209,10 +228,12 @@ def _blocked_format_cases(cases: Cases, torch, op) -> None:
                 actual = [torch_npu.npu_format_cast(t, 29) for t in actual]
             formats = [torch_npu.get_npu_format(t) for t in (source, *actual)]
             assert 29 in formats, f"a blocked format was not constructed: {formats}"
-            native_error = _native_outcome(lambda: torch.split_with_sizes_copy(source, [32, 64], dim=1, out=expected))
+            native_error = _native_outcome(
+                lambda: torch.split_with_sizes_copy(source, [32, 64], dim=1, out=expected)
+            )
             if native_error is None:
                 op(source, [32, 64], dim=1, out=actual)
-                for a, e in zip(actual, expected):
+                for a, e in zip(actual, expected, strict=True):
                     assert torch.equal(a.cpu(), e.cpu()), "blocked-format fallback values differ"
             else:
                 got = _native_outcome(lambda: op(source, [32, 64], dim=1, out=actual))

@@ -109,7 +109,9 @@ def run_train_smoke_probe(
     if device != "cpu":
         visible = _visible(device)
         if nproc > visible:
-            return skip(PROBE, device, mode, f"--nproc {nproc} needs {nproc} {device} devices, {visible} visible")
+            return skip(
+                PROBE, device, mode, f"--nproc {nproc} needs {nproc} {device} devices, {visible} visible"
+            )
 
     with tempfile.TemporaryDirectory(prefix="magistral-train-smoke-") as tmp:
         out = Path(tmp)
@@ -152,10 +154,14 @@ def run_train_smoke_probe(
     cases.insert(0, processes)
     failed = [c for c in cases if c["result"] == FAIL]
     if failed:
-        reason = f"{len(failed)} of {len(cases)} cases failed; first: {failed[0]['name']}: {failed[0]['error']}"
+        reason = (
+            f"{len(failed)} of {len(cases)} cases failed; first: {failed[0]['name']}: {failed[0]['error']}"
+        )
         return ProbeResult(PROBE, device, mode, FAIL, reason, cases)
     images = "one image" if mode == "default" else "two images"
-    reason = f"{nproc} ranks trained {steps} steps under FSDP2 ({images}), finite loss and gradients on every step"
+    reason = (
+        f"{nproc} ranks trained {steps} steps under FSDP2 ({images}), finite loss and gradients on every step"
+    )
     return ProbeResult(PROBE, device, mode, PASS, reason, cases)
 
 

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from itertools import accumulate
 from typing import Any
 
+from magistral_cli.ops.vision_attention import set_attention_implementation
+
 from .common import Cases, ProbeResult, device_missing_reason, relative_l2, skip
 
 PROBE = "vision-attention"
@@ -47,7 +49,7 @@ def _check_case(tower, sizes, attention_name, calls, forward_limit, gradient_lim
     pixel_values = torch.randn(len(sizes), 3, 16, 24, device=device, dtype=torch.bfloat16, requires_grad=True)
     image_sizes = torch.tensor(sizes, device=device)
 
-    tower.config._attn_implementation = "eager"
+    set_attention_implementation(tower, "eager")
     expected = torch.cat(
         [
             tower(pixel_values[i : i + 1], image_sizes=image_sizes[i : i + 1]).last_hidden_state
@@ -56,9 +58,11 @@ def _check_case(tower, sizes, attention_name, calls, forward_limit, gradient_lim
         dim=1,
     )
     weights = torch.randn_like(expected)
-    expected_grads = torch.autograd.grad((expected.float() * weights.float()).sum(), (pixel_values, *parameters))
+    expected_grads = torch.autograd.grad(
+        (expected.float() * weights.float()).sum(), (pixel_values, *parameters)
+    )
 
-    tower.config._attn_implementation = attention_name
+    set_attention_implementation(tower, attention_name)
     calls.clear()
     actual = tower(pixel_values, image_sizes=image_sizes).last_hidden_state
     actual_grads = torch.autograd.grad((actual.float() * weights.float()).sum(), (pixel_values, *parameters))
@@ -72,7 +76,7 @@ def _check_case(tower, sizes, attention_name, calls, forward_limit, gradient_lim
     assert torch.isfinite(actual).all() and torch.isfinite(expected).all(), "non-finite outputs"
     forward = relative_l2(actual, expected)
     assert forward <= forward_limit, f"forward relative L2 {forward:.4g} > {forward_limit}"
-    grad_errors = [relative_l2(a, e) for a, e in zip(actual_grads, expected_grads)]
+    grad_errors = [relative_l2(a, e) for a, e in zip(actual_grads, expected_grads, strict=True)]
     assert all(torch.isfinite(g).all() for g in actual_grads), "non-finite gradients"
     worst = max(grad_errors)
     assert worst <= gradient_limit, f"gradient relative L2 {worst:.4g} > {gradient_limit}"
@@ -89,7 +93,9 @@ def _check_isolation(tower, sizes) -> dict[str, Any]:
     output = tower(pixel_values, image_sizes=image_sizes).last_hidden_state
     cross = torch.autograd.grad(output[:, :first_end].float().square().sum(), pixel_values)[0][1:]
     nonzero = cross.count_nonzero().item()
-    assert nonzero == 0, f"the first image's outputs depend on other images' pixels ({nonzero} nonzero gradients)"
+    assert nonzero == 0, (
+        f"the first image's outputs depend on other images' pixels ({nonzero} nonzero gradients)"
+    )
     changed = pixel_values.detach().clone()
     changed[1:].mul_(4).add_(2)
     with torch.no_grad():
@@ -148,15 +154,21 @@ def run_vision_attention_probe(
         for sizes in SIZE_CASES:
             cases.run(
                 f"numerics {len(sizes)} image(s) {sizes}",
-                lambda sizes=sizes: _check_case(tower, sizes, ATTENTION_NAME, calls, forward_limit, gradient_limit),
+                lambda sizes=sizes: _check_case(
+                    tower, sizes, ATTENTION_NAME, calls, forward_limit, gradient_limit
+                ),
                 sizes=sizes,
             )
             if len(sizes) > 1:
-                tower.config._attn_implementation = ATTENTION_NAME
-                cases.run(f"isolation {sizes}", lambda sizes=sizes: _check_isolation(tower, sizes), sizes=sizes)
+                set_attention_implementation(tower, ATTENTION_NAME)
+                cases.run(
+                    f"isolation {sizes}", lambda sizes=sizes: _check_isolation(tower, sizes), sizes=sizes
+                )
     finally:
         AttentionInterface.register(ATTENTION_NAME, vision_attention_forward)
-    backend_name = vision_attention_backend(device) if backend is None else getattr(backend, "__name__", "custom")
+    backend_name = (
+        vision_attention_backend(device) if backend is None else getattr(backend, "__name__", "custom")
+    )
     for case in cases.cases:
         case["backend"] = backend_name
     return cases.result(

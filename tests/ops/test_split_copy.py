@@ -1,0 +1,188 @@
+"""The Triton split-copy kernel, run by Triton's interpreter on the CPU, against the native op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+from magistral_cli.ops import split_copy
+
+op = torch.ops.fsdp.split_with_sizes_copy
+
+
+def _native_error(fn) -> str | None:
+    try:
+        fn()
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+
+@pytest.fixture(scope="module")
+def native_negative_errors():
+    """What the native op does with negative views, captured before our kernel is registered."""
+    errors = {}
+    for neg_source, neg_output in ((True, False), (False, True)):
+        source = torch.randn(2, 15)
+        source = source._neg_view() if neg_source else source
+        outputs = [torch.empty(2, n) for n in (3, 5, 7)]
+        outputs = [t._neg_view() for t in outputs] if neg_output else outputs
+        errors[neg_source, neg_output] = _native_error(
+            lambda s=source, o=outputs: op(s, [3, 5, 7], dim=1, out=o)
+        )
+    return errors
+
+
+@pytest.fixture
+def kernel():
+    """Our implementation registered for CPU tensors, under the interpreter, for one test."""
+    with split_copy.triton_interpreter(), split_copy.registered("CPU"):
+        yield split_copy.calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.int8])
+@pytest.mark.parametrize("world", [1, 2, 8])
+@pytest.mark.parametrize("sizes", [[1, 7, 33, 65539], [0, 5, 3], [4, 0, 0, 9]])
+def test_kernel_matches_native_bitwise_and_bumps_versions_like_native(kernel, dtype, world, sizes):
+    torch.manual_seed(world)
+    source = torch.randint(-63, 64, (world, sum(sizes))).to(dtype)
+    expected = list(torch.split_with_sizes_copy(source, sizes, dim=1))
+    native = [torch.empty_like(t) for t in expected]
+    before = [t._version for t in native]
+    torch.split_with_sizes_copy(source, sizes, dim=1, out=native)
+    native_delta = [t._version - v for t, v in zip(native, before, strict=True)]
+
+    actual = [torch.full_like(t, 5) for t in expected]
+    versions = [t._version for t in actual]
+    ran = kernel["kernel"]
+    op(source, sizes, dim=1, out=actual)
+    assert kernel["kernel"] == ran + 1  # the kernel did the copy, not the fallback
+    for a, e in zip(actual, expected, strict=True):
+        assert torch.equal(a, e)
+    assert [t._version - v for t, v in zip(actual, versions, strict=True)] == native_delta == [1] * len(sizes)
+
+    for t in actual:
+        t.zero_()
+    versions = [t._version for t in actual]
+    with torch.autograd._unsafe_preserve_version_counter(tuple(actual)):
+        op(source, sizes, dim=1, out=actual)
+    assert [t._version for t in actual] == versions
+    for a, e in zip(actual, expected, strict=True):
+        assert torch.equal(a, e)
+
+
+def test_kernel_in_inference_mode(kernel):
+    with torch.inference_mode():
+        source = torch.randn(2, 15)
+        actual = [torch.empty(2, n) for n in (3, 5, 7)]
+        ran = kernel["kernel"]
+        op(source, [3, 5, 7], dim=1, out=actual)
+        assert kernel["kernel"] == ran + 1
+    for a, e in zip(actual, source.split([3, 5, 7], dim=1), strict=True):
+        assert torch.equal(a, e)
+
+
+def test_non_contiguous_tensors_take_the_native_op(kernel):
+    source = torch.randn(8, 30)[:, ::2]
+    sizes = [3, 5, 7]
+    expected = list(torch.split_with_sizes_copy(source, sizes, dim=1))
+    actual = [torch.empty(n, 8).t() for n in sizes]
+    fallbacks, ran = kernel["native"], kernel["kernel"]
+    op(source, sizes, dim=1, out=actual)
+    assert (kernel["native"], kernel["kernel"]) == (fallbacks + 1, ran)
+    for a, e in zip(actual, expected, strict=True):
+        assert torch.equal(a, e)
+
+
+@pytest.mark.parametrize(("neg_source", "neg_output"), [(True, False), (False, True)])
+def test_negative_views_behave_exactly_like_native(kernel, native_negative_errors, neg_source, neg_output):
+    native_error = native_negative_errors[neg_source, neg_output]
+    source = torch.randn(2, 15)
+    original = source._neg_view() if neg_source else source
+    expected = [torch.empty(2, n) for n in (3, 5, 7)]
+    actual = [torch.empty(2, n) for n in (3, 5, 7)]
+    if neg_output:
+        expected = [t._neg_view() for t in expected]
+        actual = [t._neg_view() for t in actual]
+    if native_error is None:
+        torch.split_with_sizes_copy(original, [3, 5, 7], dim=1, out=expected)
+        op(original, [3, 5, 7], dim=1, out=actual)
+        for a, e in zip(actual, expected, strict=True):
+            assert torch.equal(a, e)
+    else:
+        with pytest.raises(RuntimeError) as info:
+            op(original, [3, 5, 7], dim=1, out=actual)
+        assert str(info.value).splitlines()[0] == native_error
+    # torch 2.13 rejects negative mutable outputs before any kernel; a negative source is copied.
+    assert (native_error is None) == neg_source
+
+
+def test_unsupported_calls_say_why():
+    with split_copy.triton_interpreter():
+        source = torch.randn(2, 8)
+        outs = [torch.empty(2, 3), torch.empty(2, 5)]
+        assert split_copy.unsupported_reason(source, [3, 5], 1, outs) is None
+        assert "dtype" in split_copy.unsupported_reason(
+            source.double(), [3, 5], 1, [o.double() for o in outs]
+        )
+        assert "require grad" in split_copy.unsupported_reason(source.requires_grad_(), [3, 5], 1, outs)
+        source = torch.randn(2, 8)
+        shared = torch.empty(2, 8)
+        aliased = [shared.view(-1)[:6].view(2, 3), shared.view(-1)[6:16].view(2, 5)]
+        assert "share storage" in split_copy.unsupported_reason(source, [3, 5], 1, aliased)
+        assert "dim 1" in split_copy.unsupported_reason(source, [3, 5], 0, outs)
+        assert "split sizes" in split_copy.unsupported_reason(source, [3, 4], 1, outs)
+    assert "TRITON_INTERPRET" in split_copy.unsupported_reason(source, [3, 5], 1, outs)
+
+
+def test_without_the_interpreter_cpu_calls_use_the_native_op():
+    with split_copy.registered("CPU"):
+        source = torch.randn(2, 8)
+        outs = [torch.empty(2, 3), torch.empty(2, 5)]
+        fallbacks = split_copy.calls["native"]
+        op(source, [3, 5], dim=1, out=outs)
+        assert split_copy.calls["native"] == fallbacks + 1
+        assert torch.equal(torch.cat(outs, dim=1), source)
+
+
+def test_registration_is_removed_after_the_block():
+    with split_copy.triton_interpreter(), split_copy.registered("CPU"):
+        pass
+    ran = dict(split_copy.calls)
+    outs = [torch.empty(2, 3), torch.empty(2, 5)]
+    with split_copy.triton_interpreter():
+        op(torch.randn(2, 8), [3, 5], dim=1, out=outs)
+    assert split_copy.calls == ran
+
+
+def test_enable_registers_for_npu_and_cuda_once():
+    split_copy.enable_triton_split_copy()
+    split_copy.enable_triton_split_copy()  # idempotent
+    dump = torch._C._dispatch_dump("fsdp::split_with_sizes_copy")
+    for key in ("CUDA", "PrivateUse1"):
+        active = [line for line in dump.splitlines() if line.startswith(f"{key}:")]
+        assert active and "magistral_cli/ops/split_copy.py" in active[0], dump
+    cpu = [line for line in dump.splitlines() if line.startswith("CPU:")]
+    assert "split_copy.py" not in cpu[0]  # the CPU keeps FSDP2's native implementation
+
+
+def test_another_fsdp_signature_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(split_copy, "EXPECTED_SCHEMA", "fsdp::split_with_sizes_copy(Tensor x) -> ()")
+    with pytest.raises(
+        split_copy.SplitCopyUnavailable, match="not the fsdp::split_with_sizes_copy\\(Tensor x\\)"
+    ):
+        split_copy.check_fsdp_op()
+    assert issubclass(split_copy.SplitCopyUnavailable, split_copy.UserError)
+
+
+def test_an_fsdp_that_no_longer_calls_the_op_is_a_clear_error(monkeypatch):
+    def foreach_all_gather_copy_out(*args, **kwargs):
+        return None
+
+    monkeypatch.setattr(_fsdp_collectives, "foreach_all_gather_copy_out", foreach_all_gather_copy_out)
+    with pytest.raises(split_copy.SplitCopyUnavailable, match="no longer copies out"):
+        split_copy.check_fsdp_op()
