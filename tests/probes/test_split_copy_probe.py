@@ -7,8 +7,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from magistral_cli.ops import split_copy  # noqa: E402
-from magistral_cli.probes.split_copy import run_split_copy_probe  # noqa: E402
+from magistral_cli.ops import split_copy
+from magistral_cli.probes.split_copy import run_split_copy_probe
 
 SMALL = ([7, 0, 70001], [0, 5, 3])  # a zero and a part over 65536 elements, fewer cases than the CLI
 
