@@ -9,6 +9,8 @@ is hundreds of MiB. Here attention sees the per-image sequence lengths instead:
 - CUDA: ``flash_attn_varlen_func`` when flash-attn is installed (sdpa per image otherwise);
 - NPU: ``torch_npu.npu_fusion_attention`` in the ``TND`` layout with the actual sequence lengths.
 
+fp32 inputs use sdpa per image on every device (the fused kernels take bf16 / fp16).
+
 It is wired in through transformers' attention-function registry (``AttentionInterface``)
 and a forward pre-hook on the tower that passes the lengths (as the seed's
 ``_prepare_vision_attention`` did). Only the tower's config changes; the decoder keeps its own
@@ -45,7 +47,7 @@ def image_sequence_lengths(image_sizes: Any, patch_size: int, count: int | None 
 
 
 def vision_attention_backend(device: str) -> str:
-    """The kernel the tower uses on ``device`` (for logs and the probe's report)."""
+    """The kernel the tower uses on ``device`` in bf16 / fp16 (for logs and the probe's report)."""
     if device == "npu":
         return "torch_npu.npu_fusion_attention(TND, actual_seq_qlen)"
     if device == "cuda" and importlib.util.find_spec("flash_attn") is not None:
@@ -139,13 +141,10 @@ def vision_attention_forward(
             "vision attention got a dense mask but no image lengths: call apply_vision_attention(model, device)"
         )
     device = query.device.type
-    if device == "npu":
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    if device == "npu" and half:
         out = _npu_fusion(query, key, value, ends, dropout, scaling)
-    elif (
-        device == "cuda"
-        and query.dtype in (torch.float16, torch.bfloat16)
-        and importlib.util.find_spec("flash_attn") is not None
-    ):
+    elif device == "cuda" and half and importlib.util.find_spec("flash_attn") is not None:
         out = _flash_varlen(query, key, value, ends, dropout, scaling)
     else:
         out = _sdpa_per_image(query, key, value, ends, dropout, scaling)
