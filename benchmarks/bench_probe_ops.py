@@ -49,7 +49,12 @@ def bench_vision_attention(device: str, images: int, side: int, repeats: int) ->
 
     dtype = torch.bfloat16
     config = PixtralVisionConfig(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, image_size=side, patch_size=14
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=side,
+        patch_size=14,
     )
     torch.manual_seed(0)
     tower = PixtralVisionModel(config).to(device=device, dtype=dtype)
@@ -84,12 +89,18 @@ def bench_split_copy(device: str, repeats: int) -> None:
     from magistral_cli.ops import split_copy
 
     world = 8
-    sizes = [5120 * 5120 // world, 5120 // world, 5120 * 1024 // world] * 4  # one decoder layer's shards, roughly
+    sizes = [
+        5120 * 5120 // world,
+        5120 // world,
+        5120 * 1024 // world,
+    ] * 4  # one decoder layer's shards, roughly
     source = torch.randn(world, sum(sizes), device=device, dtype=torch.bfloat16)
     out = [torch.empty(world, n, device=device, dtype=torch.bfloat16) for n in sizes]
     native = _median_ms(lambda: torch.split_with_sizes_copy(source, sizes, dim=1, out=out), device, repeats)
     kernel = _median_ms(lambda: split_copy.split_with_sizes_copy(source, sizes, 1, out=out), device, repeats)
-    print(f"split-copy        {device} bf16 world {world}: native {native:.3f} ms, Triton {kernel:.3f} ms, x{native / kernel:.2f}")
+    print(
+        f"split-copy        {device} bf16 world {world}: native {native:.3f} ms, Triton {kernel:.3f} ms, x{native / kernel:.2f}"
+    )
 
 
 def bench_contiguous_linear(device: str, repeats: int) -> None:
@@ -110,11 +121,15 @@ def bench_contiguous_linear(device: str, repeats: int) -> None:
 
     a = _median_ms(lambda: step(native), device, repeats)
     b = _median_ms(lambda: step(ours), device, repeats)
-    print(f"contiguous Linear {device} bf16 8192x5120x5120 fwd+bwd: native {a:.2f} ms, contiguous {b:.2f} ms, x{a / b:.2f}")
+    print(
+        f"contiguous Linear {device} bf16 8192x5120x5120 fwd+bwd: native {a:.2f} ms, contiguous {b:.2f} ms, x{a / b:.2f}"
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "npu"))
     parser.add_argument("--images", type=int, default=4)
     parser.add_argument("--side", type=int, default=448)
