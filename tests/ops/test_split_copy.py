@@ -160,14 +160,22 @@ def test_registration_is_removed_after_the_block():
 
 
 def test_enable_registers_for_npu_and_cuda_once():
-    split_copy.enable_triton_split_copy()
-    split_copy.enable_triton_split_copy()  # idempotent
-    dump = torch._C._dispatch_dump("fsdp::split_with_sizes_copy")
-    for key in ("CUDA", "PrivateUse1"):
-        active = [line for line in dump.splitlines() if line.startswith(f"{key}:")]
-        assert active and "magistral_cli/ops/split_copy.py" in active[0], dump
-    cpu = [line for line in dump.splitlines() if line.startswith("CPU:")]
-    assert "split_copy.py" not in cpu[0]  # the CPU keeps FSDP2's native implementation
+    assert split_copy._registration is None
+    try:
+        split_copy.enable_triton_split_copy()
+        first = split_copy._registration
+        split_copy.enable_triton_split_copy()  # idempotent
+        assert split_copy._registration is first
+        dump = torch._C._dispatch_dump("fsdp::split_with_sizes_copy")
+        for key in ("CUDA", "PrivateUse1"):
+            active = [line for line in dump.splitlines() if line.startswith(f"{key}:")]
+            assert active and "magistral_cli/ops/split_copy.py" in active[0], dump
+        cpu = [line for line in dump.splitlines() if line.startswith("CPU:")]
+        assert "split_copy.py" not in cpu[0]  # the CPU keeps FSDP2's native implementation
+    finally:  # leave this test process as it was
+        if split_copy._registration is not None:
+            split_copy._registration._destroy()
+            split_copy._registration = None
 
 
 def test_another_fsdp_signature_is_a_clear_error(monkeypatch):
