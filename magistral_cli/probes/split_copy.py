@@ -105,7 +105,6 @@ def run_split_copy_probe(
         mode,
         f"{how} bitwise equal to native, native version bump ({native_delta}), native fallbacks",
     )
-    return result
 
 
 def _run_cases(
