@@ -9,7 +9,7 @@
   the kernel only runs in Triton's interpreter, which measures nothing useful);
 - contiguous Linear: native Linear against the custom weight-gradient path (cuda / npu; bf16).
 
-Not run in CI. Timings are medians of ``--repeats`` runs after a warm-up.
+Not run in CI. Timings are medians of ``--repeats`` alternating runs after a warm-up.
 """
 
 from __future__ import annotations
@@ -28,16 +28,19 @@ def _sync(device: str) -> None:
         torch.npu.synchronize()
 
 
-def _median_ms(fn, device: str, repeats: int) -> float:
-    fn()
+def _compare_ms(fn_a, fn_b, device: str, repeats: int) -> tuple[float, float]:
+    """Median ms of two variants, run alternately so that load drift hits both alike."""
+    fn_a()
+    fn_b()
     _sync(device)
-    times = []
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1000.0)
-    return statistics.median(times)
+        for fn, bucket in ((fn_a, times[0]), (fn_b, times[1])):
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            bucket.append((time.perf_counter() - start) * 1000.0)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def bench_vision_attention(device: str, images: int, side: int, repeats: int) -> None:
@@ -45,7 +48,11 @@ def bench_vision_attention(device: str, images: int, side: int, repeats: int) ->
     from transformers import PixtralVisionConfig
     from transformers.models.pixtral.modeling_pixtral import PixtralVisionModel
 
-    from magistral_cli.ops.vision_attention import apply_vision_attention, set_attention_implementation
+    from magistral_cli.ops.vision_attention import (
+        ATTENTION_NAME,
+        apply_vision_attention,
+        set_attention_implementation,
+    )
 
     dtype = torch.bfloat16
     config = PixtralVisionConfig(
@@ -65,10 +72,17 @@ def bench_vision_attention(device: str, images: int, side: int, repeats: int) ->
         out = tower(pixels, image_sizes=sizes).last_hidden_state
         out.float().sum().backward()
 
-    set_attention_implementation(tower, "sdpa")
-    dense = _median_ms(step, device, repeats)
-    apply_vision_attention(tower, device)
-    ours = _median_ms(step, device, repeats)
+    apply_vision_attention(tower, device)  # adds the pre-hook; the dense variant ignores its lengths
+
+    def dense_step():
+        set_attention_implementation(tower, "sdpa")  # transformers' dense block mask
+        step()
+
+    def our_step():
+        set_attention_implementation(tower, ATTENTION_NAME)
+        step()
+
+    dense, ours = _compare_ms(dense_step, our_step, device, repeats)
     patches = images * (side // 14) ** 2
     mask_mib = patches * patches * torch.finfo(dtype).bits / 8 / 2**20
     print(
@@ -96,8 +110,12 @@ def bench_split_copy(device: str, repeats: int) -> None:
     ] * 4  # one decoder layer's shards, roughly
     source = torch.randn(world, sum(sizes), device=device, dtype=torch.bfloat16)
     out = [torch.empty(world, n, device=device, dtype=torch.bfloat16) for n in sizes]
-    native = _median_ms(lambda: torch.split_with_sizes_copy(source, sizes, dim=1, out=out), device, repeats)
-    kernel = _median_ms(lambda: split_copy.split_with_sizes_copy(source, sizes, 1, out=out), device, repeats)
+    native, kernel = _compare_ms(
+        lambda: torch.split_with_sizes_copy(source, sizes, dim=1, out=out),
+        lambda: split_copy.split_with_sizes_copy(source, sizes, 1, out=out),
+        device,
+        repeats,
+    )
     print(
         f"split-copy        {device} bf16 world {world}: native {native:.3f} ms, Triton {kernel:.3f} ms, x{native / kernel:.2f}"
     )
@@ -119,8 +137,7 @@ def bench_contiguous_linear(device: str, repeats: int) -> None:
     def step(model):
         model(x).sum().backward()
 
-    a = _median_ms(lambda: step(native), device, repeats)
-    b = _median_ms(lambda: step(ours), device, repeats)
+    a, b = _compare_ms(lambda: step(native), lambda: step(ours), device, repeats)
     print(
         f"contiguous Linear {device} bf16 8192x5120x5120 fwd+bwd: native {a:.2f} ms, contiguous {b:.2f} ms, x{a / b:.2f}"
     )
