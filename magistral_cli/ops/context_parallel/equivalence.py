@@ -1,0 +1,321 @@
+"""Measure context parallelism against the CP=1 reference (what the cp-equivalence probe runs).
+
+:func:`run_cp_equivalence` runs one full training step of a tiny Mistral3 with two images,
+fixed weights, labels and position ids, twice on every rank of an initialised process group:
+the CP=1 reference (the unmodified transformers forward, or the same loss function on the
+unsplit sequence) and the CP step. It returns the measured loss relative error, the gradient
+relative L2 over every trainable parameter and the SGD-update relative L2. It applies no
+thresholds: the caller (probe, test) does.
+
+Mixed precision follows FSDP2's ``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=fp32)``:
+fp32 master weights, a ``dtype`` compute copy, fp32 gradients and fp32 SGD updates.
+
+:func:`run_attention_equivalence` checks the attention alone against full causal SDPA.
+:func:`spawn_cp_jobs` runs either on ``world_size`` CPU processes with gloo (tests, quickstart).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from magistral_cli.ops.context_parallel.attention import cp_attention
+from magistral_cli.ops.context_parallel.groups import (
+    ContextParallelGroups,
+    build_cp_mesh,
+    cp_communication_count,
+    cp_groups_from_mesh,
+    mode_sizes,
+)
+from magistral_cli.ops.context_parallel.layout import gather_from_cp, split_for_cp
+from magistral_cli.ops.context_parallel.model import (
+    IGNORE_INDEX,
+    apply_context_parallel,
+    chunked_cross_entropy_loss,
+    remove_context_parallel,
+    shift_labels,
+)
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_GROUPS: dict[tuple[int, int], ContextParallelGroups] = {}
+
+
+def relative_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12)).item()
+
+
+def _device() -> torch.device:
+    backend = dist.get_backend()
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend == "hccl":
+        return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
+    return torch.device("cpu")
+
+
+def cp_groups_for(mode: str, ulysses_size: int | None = None, ring_size: int | None = None):
+    """Groups for ``mode`` over the whole world (DP = 1) unless the sizes are given; cached,
+    since every rank must create the same groups in the same order."""
+    if ulysses_size is None or ring_size is None:
+        ulysses_size, ring_size = mode_sizes(mode, dist.get_world_size())
+    key = (ulysses_size, ring_size)
+    if key not in _GROUPS:
+        _GROUPS[key] = cp_groups_from_mesh(build_cp_mesh(_device().type, ulysses_size, ring_size))
+    return _GROUPS[key]
+
+
+def _to_dtype(dtype) -> torch.dtype:
+    return _DTYPES[dtype] if isinstance(dtype, str) else dtype
+
+
+# --------------------------------------------------------------------------- attention alone
+
+
+def run_attention_equivalence(
+    mode: str,
+    dtype=torch.float32,
+    batch: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seq_len: int = 32,
+    head_dim: int = 16,
+    seed: int = 0,
+    ulysses_size: int | None = None,
+    ring_size: int | None = None,
+) -> dict:
+    """CP attention vs full causal SDPA: output and query/key/value gradient relative L2."""
+    groups = cp_groups_for(mode, ulysses_size, ring_size)
+    dtype, device = _to_dtype(dtype), _device()
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    q, k, v = randn(batch, heads, seq_len, head_dim), randn(batch, kv_heads, seq_len, head_dim), None
+    v = randn(batch, kv_heads, seq_len, head_dim)
+    dout = randn(batch, heads, seq_len, head_dim)
+    scale = head_dim**-0.5
+
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(
+        *full, is_causal=True, scale=scale, enable_gqa=kv_heads != heads
+    )
+    expected.backward(dout)
+
+    local = [split_for_cp(t, groups, dim=2).detach().requires_grad_() for t in (q, k, v)]
+    calls = cp_communication_count()
+    out = cp_attention(*local, groups, scale)
+    out.backward(split_for_cp(dout, groups, dim=2))
+    result = {
+        "mode": groups.mode,
+        "ulysses_size": groups.ulysses_size,
+        "ring_size": groups.ring_size,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "dtype": str(dtype).removeprefix("torch."),
+        "output_relative_l2": relative_l2(gather_from_cp(out.detach(), groups, dim=2), expected),
+    }
+    for name, loc, ref in zip(("query", "key", "value"), local, full):
+        result[f"{name}_grad_relative_l2"] = relative_l2(gather_from_cp(loc.grad, groups, dim=2), ref.grad)
+    result["cp_communications"] = cp_communication_count() - calls
+    return result
+
+
+# --------------------------------------------------------------------------- one training step
+
+
+def equivalence_batch(vocab_size: int, seq_len: int = 61, seed: int = 123, device="cpu") -> dict:
+    """Fixed ids, two images (6 image tokens each, different aspect), labels and position ids."""
+    from magistral_cli.testing.tiny_model import IMAGE_TOKEN_ID
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(20, vocab_size, (1, seq_len), generator=gen)
+    ids[0, 2:8] = IMAGE_TOKEN_ID  # image 1: 56 x 84 pixels -> 2 x 3 merged patches
+    ids[0, 44:50] = IMAGE_TOKEN_ID  # image 2: 84 x 56 pixels -> 3 x 2 (crosses a ring chunk boundary)
+    labels = ids.clone()
+    labels[ids == IMAGE_TOKEN_ID] = IGNORE_INDEX
+    labels[0, :2] = IGNORE_INDEX
+    pixels = torch.randn(2, 3, 84, 84, generator=gen)
+    pixels[0, :, 56:, :] = 0  # image 1 is 56 high, padded like the collator does
+    pixels[1, :, :, 56:] = 0
+    return {
+        "input_ids": ids.to(device),
+        "labels": labels.to(device),
+        "pixel_values": pixels.to(device),
+        "image_sizes": torch.tensor([[56, 84], [84, 56]], device=device),
+        "position_ids": torch.arange(seq_len, device=device).unsqueeze(0),
+    }
+
+
+def _reference_loss(model, batch, loss_fn):
+    if loss_fn is None:  # the unmodified transformers forward and loss
+        return model(**batch, use_cache=False).loss
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    hidden = model.model(**inputs, use_cache=False).last_hidden_state
+    targets = shift_labels(batch["labels"])
+    return loss_fn(hidden, model.lm_head, targets, (targets != IGNORE_INDEX).sum())
+
+
+def _count_vision_communication(model) -> tuple[list, dict]:
+    """Hooks that count CP collectives issued while the vision tower and projector run."""
+    counts = {"calls": 0, "runs": 0}
+    handles = []
+    for module in (model.model.vision_tower, model.model.multi_modal_projector):
+        start = {}
+
+        def pre(_module, _args, start=start):
+            start["n"] = cp_communication_count()
+
+        def post(_module, _args, _out, start=start):
+            counts["calls"] += cp_communication_count() - start["n"]
+            counts["runs"] += 1
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    return handles, counts
+
+
+def run_cp_equivalence(
+    mode: str,
+    dtype=torch.float32,
+    chunk_loss: bool = False,
+    ulysses_size: int | None = None,
+    ring_size: int | None = None,
+    seq_len: int = 61,
+    chunk_size: int = 8,
+    lr: float = 0.01,
+    seed: int = 0,
+    freeze_vision: bool = False,
+) -> dict:
+    """One training step under CP against CP=1 on the same ranks; returns the measured errors.
+
+    Runs inside an initialised process group; ``mode`` is ulysses, ring or hybrid over the whole
+    world unless ``ulysses_size`` / ``ring_size`` are given (the rest is data parallel, whose
+    replicas hold the same batch). Every rank returns the same numbers.
+    """
+    from magistral_cli.testing.tiny_model import build_tiny_model, tiny_mistral3_config
+
+    groups = cp_groups_for(mode, ulysses_size, ring_size)
+    dtype, device = _to_dtype(dtype), _device()
+    master = build_tiny_model(tiny_mistral3_config(vocab_size=512), seed=seed).to(device).train()
+    if freeze_vision:
+        master.model.vision_tower.requires_grad_(False)
+        master.model.multi_modal_projector.requires_grad_(False)
+    compute = master if dtype == torch.float32 else copy.deepcopy(master).to(dtype)
+    compute.config.text_config._attn_implementation = "sdpa"
+    trainable = [(n, p) for n, p in master.named_parameters() if p.requires_grad]
+    compute_params = dict(compute.named_parameters())
+    initial = {n: p.detach().clone() for n, p in trainable}
+    optimizer = torch.optim.SGD([p for _, p in trainable], lr=lr)
+    batch = equivalence_batch(master.config.text_config.vocab_size, seq_len, device=device)
+    batch["pixel_values"] = batch["pixel_values"].to(dtype)
+    loss_fn = chunked_cross_entropy_loss(chunk_size) if chunk_loss else None
+
+    def step(forward, reduce_group):
+        for p in compute.parameters():
+            p.grad = None
+        loss = forward()
+        loss.backward()
+        grads = [compute_params[n].grad.float() for n, _ in trainable]
+        flat = torch.cat([g.flatten() for g in grads])
+        if reduce_group is not None:
+            # What FSDP2 does over dp x cp with the divide factor set to the DP degree: CP
+            # ranks hold partial gradients of one batch, summed.
+            dist.all_reduce(flat, group=reduce_group)
+        for (_, p), g in zip(trainable, flat.split([g.numel() for g in grads])):
+            p.grad = g.view_as(p)
+        optimizer.step()
+        updates = torch.cat([(p.detach() - initial[n]).flatten() for n, p in trainable])
+        with torch.no_grad():  # back to the initial weights for the next run
+            for n, p in trainable:
+                p.copy_(initial[n])
+                if compute is not master:
+                    compute_params[n].copy_(initial[n])
+        return loss.detach().float(), flat, updates
+
+    ref_loss, ref_grads, ref_updates = step(lambda: _reference_loss(compute, batch, loss_fn), None)
+
+    apply_context_parallel(compute, groups, loss_fn=loss_fn)
+    handles, vision = _count_vision_communication(compute)
+    calls = cp_communication_count()
+    try:
+        cp_loss, cp_grads, cp_updates = step(lambda: compute(**batch).loss, groups.cp_group)
+    finally:
+        for handle in handles:
+            handle.remove()
+        remove_context_parallel(compute)
+    # The replicated vision tower and projector separately: their small gradients would hide
+    # in the total, and their split semantics differ from the decoder's.
+    vision_mask = torch.cat(
+        [
+            torch.full((p.numel(),), n.startswith(("model.vision_tower.", "model.multi_modal_projector.")))
+            for n, p in trainable
+        ]
+    ).to(cp_grads.device)
+    return {
+        "mode": groups.mode,
+        "ulysses_size": groups.ulysses_size,
+        "ring_size": groups.ring_size,
+        "world_size": dist.get_world_size(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "chunk_loss": chunk_loss,
+        "seq_len": seq_len,
+        "trainable_parameters": int(ref_grads.numel()),
+        "reference_loss": ref_loss.item(),
+        "loss": cp_loss.item(),
+        "loss_relative_error": abs(cp_loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+        "gradient_relative_l2": relative_l2(cp_grads, ref_grads),
+        "update_relative_l2": relative_l2(cp_updates, ref_updates),
+        "cp_communications": cp_communication_count() - calls,
+        "vision_runs": vision["runs"],
+        "vision_cp_communications": vision["calls"],
+        "vision_gradient_relative_l2": (
+            relative_l2(cp_grads[vision_mask], ref_grads[vision_mask]) if vision_mask.any() else None
+        ),
+        "decoder_gradient_relative_l2": relative_l2(cp_grads[~vision_mask], ref_grads[~vision_mask]),
+    }
+
+
+# --------------------------------------------------------------------------- CPU processes
+
+
+def _run_job(job: dict) -> dict:
+    job = dict(job)
+    kind = job.pop("kind")
+    if kind == "attention":
+        return run_attention_equivalence(**job)
+    if kind == "model":
+        return run_cp_equivalence(**job)
+    raise ValueError(f"unknown job kind {kind!r}")
+
+
+def _spawn_main(rank: int, world_size: int, init_file: str, jobs: list[dict], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        results = []
+        for job in jobs:
+            try:
+                results.append(_run_job(job))
+            except Exception as error:  # reported per job, so one failure does not hide the rest
+                results.append({"job": job, "error": f"{type(error).__name__}: {error}"})
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results), encoding="utf-8")
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_cp_jobs(world_size: int, jobs: list[dict]) -> list[list[dict]]:
+    """Run ``jobs`` (``{"kind": "attention" | "model", **kwargs}``) on ``world_size`` gloo CPU
+    processes; returns every rank's list of results."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        mp.spawn(_spawn_main, args=(world_size, init_file, jobs, tmp), nprocs=world_size, join=True)
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text(encoding="utf-8")) for r in range(world_size)]
