@@ -99,15 +99,15 @@ def context_parallel_attention_forward(
     **kwargs,
 ):
     """The transformers attention function for the context-parallel language model."""
+    if not getattr(module, "is_causal", True):
+        raise ContextParallelError(
+            f"{type(module).__name__} is not causal; only the language model may use the CP attention"
+        )
     groups = active_cp_groups()
     if attention_mask is not None:
         raise ContextParallelError(
             "context parallelism got an attention mask; CP attention is causal over the whole sequence "
             "and supports no custom masks (neat_packing, left padding)"
-        )
-    if not getattr(module, "is_causal", True):
-        raise ContextParallelError(
-            f"{type(module).__name__} is not causal; only the language model may use the CP attention"
         )
     if sliding_window is not None:
         raise ContextParallelError(

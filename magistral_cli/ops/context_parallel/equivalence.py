@@ -122,7 +122,7 @@ def run_attention_equivalence(
         "dtype": str(dtype).removeprefix("torch."),
         "output_relative_l2": relative_l2(gather_from_cp(out.detach(), groups, dim=2), expected),
     }
-    for name, loc, ref in zip(("query", "key", "value"), local, full):
+    for name, loc, ref in zip(("query", "key", "value"), local, full, strict=True):
         result[f"{name}_grad_relative_l2"] = relative_l2(gather_from_cp(loc.grad, groups, dim=2), ref.grad)
     result["cp_communications"] = cp_communication_count() - calls
     return result
@@ -228,7 +228,7 @@ def run_cp_equivalence(
             # What FSDP2 does over dp x cp with the divide factor set to the DP degree: CP
             # ranks hold partial gradients of one batch, summed.
             dist.all_reduce(flat, group=reduce_group)
-        for (_, p), g in zip(trainable, flat.split([g.numel() for g in grads])):
+        for (_, p), g in zip(trainable, flat.split([g.numel() for g in grads]), strict=True):
             p.grad = g.view_as(p)
         optimizer.step()
         updates = torch.cat([(p.detach() - initial[n]).flatten() for n, p in trainable])
@@ -292,6 +292,8 @@ def _run_job(job: dict) -> dict:
         return run_attention_equivalence(**job)
     if kind == "model":
         return run_cp_equivalence(**job)
+    if kind == "guard":
+        return run_vision_guard_check(**job)
     raise ValueError(f"unknown job kind {kind!r}")
 
 
@@ -319,3 +321,32 @@ def spawn_cp_jobs(world_size: int, jobs: list[dict]) -> list[list[dict]]:
         init_file = os.path.join(tmp, "init")
         mp.spawn(_spawn_main, args=(world_size, init_file, jobs, tmp), nprocs=world_size, join=True)
         return [json.loads(Path(tmp, f"rank{r}.json").read_text(encoding="utf-8")) for r in range(world_size)]
+
+
+def run_vision_guard_check(mode: str = "ulysses") -> dict:
+    """Show that the communication guard bites: a CP collective inside a forbidden block raises,
+    and a model whose vision tower was given the CP attention is refused."""
+    from magistral_cli.ops.context_parallel.attention import ATTENTION_NAME
+    from magistral_cli.ops.context_parallel.groups import ContextParallelError, forbid_cp_communication
+    from magistral_cli.testing.tiny_model import build_tiny_model, tiny_mistral3_config
+
+    groups = cp_groups_for(mode)
+    result = {"mode": groups.mode}
+    q = torch.randn(1, 4, 8, 16)
+    try:
+        with forbid_cp_communication("the guard check"):
+            cp_attention(q, q, q, groups, 0.25)
+        result["guard_error"] = None
+    except ContextParallelError as error:
+        result["guard_error"] = str(error)
+
+    model = build_tiny_model(tiny_mistral3_config(vocab_size=512)).train()
+    apply_context_parallel(model, groups)
+    model.config.vision_config._attn_implementation = ATTENTION_NAME
+    batch = equivalence_batch(512)
+    try:
+        model(**batch)
+        result["vision_error"] = None
+    except ContextParallelError as error:
+        result["vision_error"] = str(error)
+    return result

@@ -78,7 +78,7 @@ def chunked_cross_entropy_loss(chunk_size: int) -> LossFn:
 
     def loss_fn(hidden, lm_head, labels, num_items):
         total = hidden.new_zeros((), dtype=torch.float32)
-        for h, y in zip(hidden.split(chunk_size, dim=1), labels.split(chunk_size, dim=1)):
+        for h, y in zip(hidden.split(chunk_size, dim=1), labels.split(chunk_size, dim=1), strict=True):
             total = total + checkpoint(_chunk, h, y, lm_head, use_reentrant=False)
         return total / num_items
 
