@@ -4,7 +4,8 @@ Each world size is spawned once (module fixture) and runs every check; the tests
 its results. Attention alone is compared with full causal SDPA; the model checks run one
 training step of the tiny Mistral3 with two images (see ``run_cp_equivalence``).
 The chunked-loss variant uses the module's own chunked cross entropy (same contract as the
-trainer's chunked loss: the sum over the local tokens divided by the global count).
+trainer's chunked loss: the sum over the local tokens divided by the global count). "fsdp"
+runs shard the model with FSDP2 over dp x cp, with param_dtype bf16 for the bf16 ones.
 """
 
 from __future__ import annotations
@@ -28,6 +29,15 @@ TWO = {
     "model-ring-fp32-chunk": {"kind": "model", "mode": "ring", "chunk_loss": True},
     "model-ulysses-bf16": {"kind": "model", "mode": "ulysses", "dtype": "bf16"},
     "model-ring-bf16-chunk": {"kind": "model", "mode": "ring", "dtype": "bf16", "chunk_loss": True},
+    # FSDP2 over dp x cp with mixed precision, as the trainer shards the model.
+    "model-ring-fp32-fsdp": {"kind": "model", "mode": "ring", "fsdp": True},
+    "model-ulysses-bf16-fsdp-chunk": {
+        "kind": "model",
+        "mode": "ulysses",
+        "dtype": "bf16",
+        "fsdp": True,
+        "chunk_loss": True,
+    },
     "guard": {"kind": "guard", "mode": "ulysses"},
 }
 FOUR = {
@@ -39,6 +49,15 @@ FOUR = {
     "model-hybrid-bf16": {"kind": "model", "mode": "hybrid", "dtype": "bf16"},
     # CP 2 inside DP 2: the CP groups are {0, 1} and {2, 3}.
     "model-ring-dp2-fp32": {"kind": "model", "mode": "ring", "ulysses_size": 1, "ring_size": 2},
+    "model-hybrid-fp32-fsdp": {"kind": "model", "mode": "hybrid", "fsdp": True},
+    "model-ulysses-dp2-bf16-fsdp": {
+        "kind": "model",
+        "mode": "ulysses",
+        "ulysses_size": 2,
+        "ring_size": 1,
+        "dtype": "bf16",
+        "fsdp": True,
+    },
 }
 
 
@@ -108,8 +127,8 @@ def test_training_step_four_processes(four, name):
 
 
 def test_fp32_steps_are_tight_enough_to_catch_a_wrong_reduction(two):
-    # A CP run that averaged instead of summing the CP partial gradients would be off by 50%;
-    # the measured errors sit many orders of magnitude below that and below the threshold.
+    # A CP loss reduction that got the gradient scale wrong (identity or all-reduce backward)
+    # would be off by 50% or 100%; the measured error sits orders of magnitude below that.
     assert max(r["gradient_relative_l2"] for r in two["model-ring-fp32"]) < 1e-5
 
 

@@ -11,9 +11,10 @@ What the trainer calls (in this order):
    model only, and ``model(input_ids=..., labels=..., pixel_values=..., image_sizes=...,
    attention_mask=..., position_ids=..., num_items_in_batch=...)`` then returns a loss equal to
    the CP=1 loss. Every CP rank passes the same full batch.
-5. FSDP2 gradient reduction over ``dp x cp`` divided by the DP degree only
-   (``module.set_gradient_divide_factor(fsdp_gradient_divide_factor(dp))``), since CP ranks
-   hold partial gradients that must be summed.
+5. FSDP2 over ``meshes.dp_cp`` with its default gradient averaging: the CP loss reduction
+   scales each rank's backward by the CP degree, so the average over ``dp x cp`` is the CP=1
+   gradient. (``shard_keeping_output_capture`` works around transformers 5 losing
+   ``_can_record_outputs`` when ``fully_shard`` swaps a PreTrainedModel's class.)
 
 On NPU, ``set_attention_backends(local=...)`` plugs ``npu_fusion_attention`` in as the local
 attention that Ulysses wraps.
@@ -53,7 +54,6 @@ from magistral_cli.ops.context_parallel.model import (
     chunked_cross_entropy_loss,
     context_parallel_forward,
     cross_entropy_loss,
-    fsdp_gradient_divide_factor,
     remove_context_parallel,
     validate_cp_batch,
 )
@@ -80,7 +80,6 @@ __all__ = [
     "disable_cp_attention",
     "enable_cp_attention",
     "forbid_cp_communication",
-    "fsdp_gradient_divide_factor",
     "gather_from_cp",
     "mode_sizes",
     "pad_multiple",

@@ -76,27 +76,31 @@ def head_to_seq(x: torch.Tensor, group, size: int) -> torch.Tensor:
 
 
 class _SumAcrossRanks(torch.autograd.Function):
-    """Forward: all-reduce SUM. Backward: the gradient passes through unchanged.
+    """Forward: all-reduce SUM. Backward: the gradient times the group size, no communication.
 
-    Every CP rank back-propagates the same summed loss with gradient 1, and the gradient of
-    that sum with respect to this rank's part is 1: no reduction belongs in backward (an
-    all-reduce there would multiply every gradient by the CP degree).
+    Every CP rank back-propagates the same summed loss, and the true gradient of that sum with
+    respect to this rank's part is the incoming gradient: no reduction belongs in backward. The
+    factor ``size`` makes every CP rank's parameter gradients ``size`` x its partial gradient,
+    so that the ordinary data-parallel *average* over ``dp x cp`` (FSDP2's default over the
+    ``dp_cp`` mesh) yields the sum of the CP partial gradients, averaged over DP: the trainer
+    needs no special gradient divide factor (and gloo has no PREMUL_SUM to set one).
     """
 
     @staticmethod
     def forward(ctx, x, group):
         record_cp_communication("loss all_reduce")
+        ctx.size = dist.get_world_size(group)
         out = x.clone()
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad * ctx.size, None
 
 
 def sum_across_ranks(x: torch.Tensor, group) -> torch.Tensor:
-    """Sum of ``x`` over ``group``; the backward sends each rank the gradient of its own part."""
+    """Sum of ``x`` over ``group``; see :class:`_SumAcrossRanks` for the gradient it sends back."""
     if group is None:
         return x
     return _SumAcrossRanks.apply(x, group)

@@ -20,6 +20,8 @@ import copy
 import json
 import os
 import tempfile
+import traceback
+import types
 from pathlib import Path
 
 import torch
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 from magistral_cli.ops.context_parallel.attention import cp_attention
 from magistral_cli.ops.context_parallel.groups import (
     ContextParallelGroups,
+    ContextParallelMesh,
     build_cp_mesh,
     cp_communication_count,
     cp_groups_from_mesh,
@@ -44,7 +47,7 @@ from magistral_cli.ops.context_parallel.model import (
 )
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_GROUPS: dict[tuple[int, int], ContextParallelGroups] = {}
+_GROUPS: dict[tuple[int, int], tuple[ContextParallelMesh, ContextParallelGroups]] = {}
 
 
 def relative_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -60,15 +63,20 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def cp_groups_for(mode: str, ulysses_size: int | None = None, ring_size: int | None = None):
-    """Groups for ``mode`` over the whole world (DP = 1) unless the sizes are given; cached,
-    since every rank must create the same groups in the same order."""
+def cp_meshes_for(mode: str, ulysses_size: int | None = None, ring_size: int | None = None):
+    """``(meshes, groups)`` for ``mode`` over the whole world (DP = 1) unless the sizes are
+    given; cached, since every rank must create the same groups in the same order."""
     if ulysses_size is None or ring_size is None:
         ulysses_size, ring_size = mode_sizes(mode, dist.get_world_size())
     key = (ulysses_size, ring_size)
     if key not in _GROUPS:
-        _GROUPS[key] = cp_groups_from_mesh(build_cp_mesh(_device().type, ulysses_size, ring_size))
+        meshes = build_cp_mesh(_device().type, ulysses_size, ring_size)
+        _GROUPS[key] = (meshes, cp_groups_from_mesh(meshes))
     return _GROUPS[key]
+
+
+def cp_groups_for(mode: str, ulysses_size: int | None = None, ring_size: int | None = None):
+    return cp_meshes_for(mode, ulysses_size, ring_size)[1]
 
 
 def _to_dtype(dtype) -> torch.dtype:
@@ -155,12 +163,20 @@ def equivalence_batch(vocab_size: int, seq_len: int = 61, seed: int = 123, devic
 
 
 def _reference_loss(model, batch, loss_fn):
+    """The CP=1 loss through the root module (so FSDP2's root hooks run as in training)."""
     if loss_fn is None:  # the unmodified transformers forward and loss
         return model(**batch, use_cache=False).loss
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    hidden = model.model(**inputs, use_cache=False).last_hidden_state
-    targets = shift_labels(batch["labels"])
-    return loss_fn(hidden, model.lm_head, targets, (targets != IGNORE_INDEX).sum())
+
+    def forward(self, labels, **inputs):
+        hidden = self.model(**inputs, use_cache=False).last_hidden_state
+        targets = shift_labels(labels)
+        return loss_fn(hidden, self.lm_head, targets, (targets != IGNORE_INDEX).sum())
+
+    model.forward = types.MethodType(forward, model)
+    try:
+        return model(**batch)
+    finally:
+        del model.forward
 
 
 def _count_vision_communication(model) -> tuple[list, dict]:
@@ -181,6 +197,47 @@ def _count_vision_communication(model) -> tuple[list, dict]:
     return handles, counts
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _shard_like_the_trainer(model, meshes, dtype) -> list:
+    """FSDP2 over ``dp x cp``: vision tower, projector, embeddings, each decoder layer, the
+    language model, lm_head, then the root; ``param_dtype=dtype``, fp32 reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    inner = model.model
+    units = [
+        inner.vision_tower,
+        inner.multi_modal_projector,
+        inner.language_model.embed_tokens,
+        *inner.language_model.layers,
+        inner.language_model,
+        model.lm_head,
+    ]
+    for unit in [*units, model]:
+        shard_keeping_output_capture(fully_shard, unit, mesh=meshes.dp_cp, mp_policy=policy)
+    return [*units, model]
+
+
+def shard_keeping_output_capture(fully_shard, module, **kwargs):
+    """``fully_shard(module, **kwargs)`` that keeps transformers' output capturing working.
+
+    transformers 5 looks a model's ``_can_record_outputs`` up by ``str(model.__class__)``;
+    ``fully_shard`` swaps the class for ``FSDP<Class>``, the lookup then finds nothing, and
+    ``Mistral3Model.get_image_features`` fails on ``hidden_states`` being ``None``. Registering
+    the same entry under the new class restores it.
+    """
+    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
+    can_record = _CAN_RECORD_REGISTRY.get(module)
+    result = fully_shard(module, **kwargs)
+    if can_record:
+        _CAN_RECORD_REGISTRY[module] = can_record
+    return result
+
+
 def run_cp_equivalence(
     mode: str,
     dtype=torch.float32,
@@ -192,46 +249,63 @@ def run_cp_equivalence(
     lr: float = 0.01,
     seed: int = 0,
     freeze_vision: bool = False,
+    fsdp: bool = False,
 ) -> dict:
     """One training step under CP against CP=1 on the same ranks; returns the measured errors.
 
     Runs inside an initialised process group; ``mode`` is ulysses, ring or hybrid over the whole
     world unless ``ulysses_size`` / ``ring_size`` are given (the rest is data parallel, whose
     replicas hold the same batch). Every rank returns the same numbers.
+
+    ``fsdp=False``: fp32 master weights and a ``dtype`` compute copy; CP partial gradients are
+    averaged over the CP group by hand. ``fsdp=True``: the model is sharded with
+    FSDP2 over ``dp x cp`` (``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=fp32)``) with
+    its default gradient averaging, in both steps, as the trainer runs it.
     """
     from magistral_cli.testing.tiny_model import build_tiny_model, tiny_mistral3_config
 
-    groups = cp_groups_for(mode, ulysses_size, ring_size)
+    meshes, groups = cp_meshes_for(mode, ulysses_size, ring_size)
     dtype, device = _to_dtype(dtype), _device()
     master = build_tiny_model(tiny_mistral3_config(vocab_size=512), seed=seed).to(device).train()
+    master.config.text_config._attn_implementation = "sdpa"
     if freeze_vision:
         master.model.vision_tower.requires_grad_(False)
         master.model.multi_modal_projector.requires_grad_(False)
-    compute = master if dtype == torch.float32 else copy.deepcopy(master).to(dtype)
-    compute.config.text_config._attn_implementation = "sdpa"
+    if fsdp:
+        _shard_like_the_trainer(master, meshes, dtype)
+        compute = master
+    else:
+        compute = master if dtype == torch.float32 else copy.deepcopy(master).to(dtype)
     trainable = [(n, p) for n, p in master.named_parameters() if p.requires_grad]
     compute_params = dict(compute.named_parameters())
     initial = {n: p.detach().clone() for n, p in trainable}
+    initial_full = {n: _full(p) for n, p in initial.items()}
     optimizer = torch.optim.SGD([p for _, p in trainable], lr=lr)
     batch = equivalence_batch(master.config.text_config.vocab_size, seq_len, device=device)
-    batch["pixel_values"] = batch["pixel_values"].to(dtype)
+    if not fsdp:
+        batch["pixel_values"] = batch["pixel_values"].to(dtype)
     loss_fn = chunked_cross_entropy_loss(chunk_size) if chunk_loss else None
 
-    def step(forward, reduce_group):
+    def step(forward, cp: bool):
+        optimizer.zero_grad(set_to_none=True)
         for p in compute.parameters():
             p.grad = None
         loss = forward()
         loss.backward()
-        grads = [compute_params[n].grad.float() for n, _ in trainable]
+        if fsdp:
+            grads = [_full(p.grad) for _, p in trainable]
+        else:
+            grads = [compute_params[n].grad.float() for n, _ in trainable]
         flat = torch.cat([g.flatten() for g in grads])
-        if reduce_group is not None:
-            # What FSDP2 does over dp x cp with the divide factor set to the DP degree: CP
-            # ranks hold partial gradients of one batch, summed.
-            dist.all_reduce(flat, group=reduce_group)
-        for (_, p), g in zip(trainable, flat.split([g.numel() for g in grads]), strict=True):
-            p.grad = g.view_as(p)
+        if not fsdp:
+            if cp:
+                # What FSDP2 does over dp x cp: average (the DP replicas are identical here).
+                dist.all_reduce(flat, group=groups.cp_group)
+                flat /= groups.cp_size
+            for (_, p), g in zip(trainable, flat.split([g.numel() for g in grads]), strict=True):
+                p.grad = g.view_as(p)
         optimizer.step()
-        updates = torch.cat([(p.detach() - initial[n]).flatten() for n, p in trainable])
+        updates = torch.cat([(_full(p.detach()) - initial_full[n]).flatten() for n, p in trainable])
         with torch.no_grad():  # back to the initial weights for the next run
             for n, p in trainable:
                 p.copy_(initial[n])
@@ -239,13 +313,14 @@ def run_cp_equivalence(
                     compute_params[n].copy_(initial[n])
         return loss.detach().float(), flat, updates
 
-    ref_loss, ref_grads, ref_updates = step(lambda: _reference_loss(compute, batch, loss_fn), None)
+    world = dist.get_world_size()
+    ref_loss, ref_grads, ref_updates = step(lambda: _reference_loss(compute, batch, loss_fn), cp=False)
 
     apply_context_parallel(compute, groups, loss_fn=loss_fn)
     handles, vision = _count_vision_communication(compute)
     calls = cp_communication_count()
     try:
-        cp_loss, cp_grads, cp_updates = step(lambda: compute(**batch).loss, groups.cp_group)
+        cp_loss, cp_grads, cp_updates = step(lambda: compute(**batch).loss, cp=True)
     finally:
         for handle in handles:
             handle.remove()
@@ -262,9 +337,10 @@ def run_cp_equivalence(
         "mode": groups.mode,
         "ulysses_size": groups.ulysses_size,
         "ring_size": groups.ring_size,
-        "world_size": dist.get_world_size(),
+        "world_size": world,
         "dtype": str(dtype).removeprefix("torch."),
         "chunk_loss": chunk_loss,
+        "fsdp": fsdp,
         "seq_len": seq_len,
         "trainable_parameters": int(ref_grads.numel()),
         "reference_loss": ref_loss.item(),
@@ -306,7 +382,8 @@ def _spawn_main(rank: int, world_size: int, init_file: str, jobs: list[dict], ou
             try:
                 results.append(_run_job(job))
             except Exception as error:  # reported per job, so one failure does not hide the rest
-                results.append({"job": job, "error": f"{type(error).__name__}: {error}"})
+                trace = traceback.format_exc(limit=-4)
+                results.append({"job": job, "error": f"{type(error).__name__}: {error}", "traceback": trace})
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results), encoding="utf-8")
     finally:
         dist.destroy_process_group()

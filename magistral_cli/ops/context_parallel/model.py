@@ -13,11 +13,11 @@ The order matters and is the seed's:
 7. the local cross-entropy SUM divided by the GLOBAL count of non-ignored labels, summed over
    the CP group: exactly the CP=1 mean.
 
-Gradients: every parameter's gradient on a CP rank is the contribution of that rank's tokens
-(including the embeddings and vision tower, whose full-sequence output is split by an
-``index_select``). The full gradient is their SUM over the CP group, so data parallelism must
-average over ``dp`` only: with FSDP2 sharding over ``dp x cp``, set the gradient divide factor
-to the DP degree (``fsdp_gradient_divide_factor``).
+Gradients: a CP rank's parameter gradients come from that rank's tokens only (including the
+embeddings and vision tower, whose full-sequence output is split by an ``index_select``);
+the full gradient is their sum over the CP group. The loss reduction scales each rank's
+backward by the CP degree, so the plain data-parallel AVERAGE over ``dp x cp`` (FSDP2's
+default over the ``dp_cp`` mesh) gives exactly the CP=1 gradient: nothing to configure.
 """
 
 from __future__ import annotations
@@ -138,12 +138,6 @@ def check_cp_recipe(recipe) -> None:
             "sequence; set data.dataset_param.basic_parameters.neat_packing: false (plain packing is then "
             "causal across samples) or set both CP sizes to 1"
         )
-
-
-def fsdp_gradient_divide_factor(dp_size: int) -> float:
-    """The divide factor FSDP2's gradient reduction over ``dp x cp`` must use: the DP degree only
-    (CP ranks hold partial gradients of the same samples, which must be summed, not averaged)."""
-    return float(dp_size)
 
 
 @dataclass
