@@ -97,8 +97,15 @@ def run_attention_equivalence(
     seed: int = 0,
     ulysses_size: int | None = None,
     ring_size: int | None = None,
+    ring_kernel: str | None = None,
 ) -> dict:
-    """CP attention vs full causal SDPA: output and query/key/value gradient relative L2."""
+    """CP attention vs full causal SDPA: output and query/key/value gradient relative L2.
+
+    ``ring_kernel`` names a ring block kernel (``math``, ``cpu_flash``); default: the device's.
+    """
+    from magistral_cli.ops.context_parallel.attention import _BACKENDS
+    from magistral_cli.ops.context_parallel.ring import BLOCK_KERNELS
+
     groups = cp_groups_for(mode, ulysses_size, ring_size)
     dtype, device = _to_dtype(dtype), _device()
     gen = torch.Generator().manual_seed(seed)
@@ -119,14 +126,20 @@ def run_attention_equivalence(
 
     local = [split_for_cp(t, groups, dim=2).detach().requires_grad_() for t in (q, k, v)]
     calls = cp_communication_count()
-    out = cp_attention(*local, groups, scale)
-    out.backward(split_for_cp(dout, groups, dim=2))
+    saved = _BACKENDS["ring_kernel"]
+    _BACKENDS["ring_kernel"] = BLOCK_KERNELS[ring_kernel]() if ring_kernel else saved
+    try:
+        out = cp_attention(*local, groups, scale)
+        out.backward(split_for_cp(dout, groups, dim=2))
+    finally:
+        _BACKENDS["ring_kernel"] = saved
     result = {
         "mode": groups.mode,
         "ulysses_size": groups.ulysses_size,
         "ring_size": groups.ring_size,
         "heads": heads,
         "kv_heads": kv_heads,
+        "ring_kernel": ring_kernel,
         "dtype": str(dtype).removeprefix("torch."),
         "output_relative_l2": relative_l2(gather_from_cp(out.detach(), groups, dim=2), expected),
     }

@@ -22,9 +22,11 @@ extra hop returns the accumulators home. Autograd through differentiable send/re
 used: it would keep every block's probabilities alive for backward and it would need the
 gradient of the LSE merge, which this formulation avoids.
 
-The block kernel here is plain PyTorch in fp32 (it materialises one ``2c x c`` score block
-at a time); it runs on CPU, CUDA and NPU alike. ``BlockKernel`` is the seam for a fused
-kernel (FlashAttention with LSE on CUDA, ``npu_fusion_attention`` on NPU).
+Block kernels: ``MathBlockKernel`` is plain PyTorch in fp32 (it materialises one ``2c x c``
+score block at a time) and runs on every device; ``CpuFlashBlockKernel`` is PyTorch's fused
+CPU flash attention (the CPU default). ``BlockKernel`` is the seam for a fused CUDA or NPU
+kernel (FlashAttention with LSE, ``npu_fusion_attention``): forward returns the block output
+and LSE, backward gets the final output rows and LSE.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ class BlockKernel(Protocol):
     def forward(self, q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(out fp32 [B,H,Sq,D], lse fp32 [B,H,Sq])`` for one block."""
 
-    def backward(self, dout, q, k, v, lse, delta, scale: float, causal: bool):
-        """Return ``(dq, dk, dv)`` in fp32, given the final LSE and ``delta = rowsum(dO * O)``."""
+    def backward(self, dout, q, k, v, out, lse, delta, scale: float, causal: bool):
+        """Return ``(dq, dk, dv)`` in fp32, given the FINAL output rows ``out`` (fp32), their
+        LSE and ``delta = rowsum(dO * O)``."""
 
 
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -74,7 +77,7 @@ class MathBlockKernel:
         probs = torch.exp(scores - lse.unsqueeze(-1))
         return torch.matmul(probs, v.float()), lse
 
-    def backward(self, dout, q, k, v, lse, delta, scale, causal):
+    def backward(self, dout, q, k, v, out, lse, delta, scale, causal):
         groups = q.shape[1] // k.shape[1]
         ke, ve = _expand_kv(k, groups), _expand_kv(v, groups)
         probs = torch.exp(self._scores(q, ke, scale, causal) - lse.unsqueeze(-1))
@@ -85,6 +88,45 @@ class MathBlockKernel:
         dq = torch.matmul(dscores, ke.float()) * scale
         dk = torch.matmul(dscores.transpose(-1, -2), q.float()) * scale
         return dq, _reduce_kv(dk, groups), _reduce_kv(dv, groups)
+
+
+class CpuFlashBlockKernel:
+    """PyTorch's fused CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu``),
+    which returns the LSE and whose backward takes the final output and LSE; no score block
+    is materialised. The CPU default."""
+
+    def forward(self, q, k, v, scale, causal):
+        groups = q.shape[1] // k.shape[1]
+        k, v = _expand_kv(k, groups), _expand_kv(v, groups)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale
+        )
+        return out.float(), lse.float()
+
+    def backward(self, dout, q, k, v, out, lse, delta, scale, causal):
+        groups = q.shape[1] // k.shape[1]
+        ke, ve = _expand_kv(k, groups).contiguous(), _expand_kv(v, groups).contiguous()
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.contiguous(),
+            q.contiguous(),
+            ke,
+            ve,
+            out.to(q.dtype).contiguous(),
+            lse.contiguous(),
+            0.0,
+            causal,
+            scale=scale,
+        )
+        return dq.float(), _reduce_kv(dk.float(), groups), _reduce_kv(dv.float(), groups)
+
+
+BLOCK_KERNELS = {"math": MathBlockKernel, "cpu_flash": CpuFlashBlockKernel}
+
+
+def default_block_kernel(device: torch.device) -> BlockKernel:
+    """The fused CPU kernel on the CPU; the fp32 math kernel elsewhere (a fused CUDA or NPU
+    kernel plugs in through ``set_attention_backends(ring_kernel=...)``)."""
+    return CpuFlashBlockKernel() if device.type == "cpu" else MathBlockKernel()
 
 
 def _merge(out, lse, block_out, block_lse, rows: slice):
@@ -153,6 +195,7 @@ class _RingAttention(torch.autograd.Function):
                 q[:, :, rows],
                 kv[0][:, :, cols],
                 kv[1][:, :, cols],
+                out[:, :, rows],
                 lse[:, :, rows],
                 delta[:, :, rows],
                 scale,
@@ -181,4 +224,4 @@ def ring_attention(q, k, v, groups, scale: float, kernel: BlockKernel | None = N
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
-    return _RingAttention.apply(q, k, v, scale, groups, kernel or MathBlockKernel())
+    return _RingAttention.apply(q, k, v, scale, groups, kernel or default_block_kernel(q.device))
