@@ -28,6 +28,8 @@ TWO = {
     "model-ulysses-fp32-chunk": {"kind": "model", "mode": "ulysses", "chunk_loss": True},
     "model-ring-fp32": {"kind": "model", "mode": "ring"},
     "model-ring-fp32-chunk": {"kind": "model", "mode": "ring", "chunk_loss": True},
+    # A right-padded batch: the mask is dropped under CP, the padding stays out of the loss.
+    "model-ring-fp32-right-padding": {"kind": "model", "mode": "ring", "right_padding": 5},
     "model-ulysses-bf16": {"kind": "model", "mode": "ulysses", "dtype": "bf16"},
     "model-ring-bf16-chunk": {"kind": "model", "mode": "ring", "dtype": "bf16", "chunk_loss": True},
     # FSDP2 over dp x cp with mixed precision, as the trainer shards the model.

@@ -152,8 +152,11 @@ def run_attention_equivalence(
 # --------------------------------------------------------------------------- one training step
 
 
-def equivalence_batch(vocab_size: int, seq_len: int = 61, seed: int = 123, device="cpu") -> dict:
-    """Fixed ids, two images (6 image tokens each, different aspect), labels and position ids."""
+def equivalence_batch(
+    vocab_size: int, seq_len: int = 61, seed: int = 123, device="cpu", right_padding: int = 0
+) -> dict:
+    """Fixed ids, two images (6 image tokens each, different aspect), labels and position ids;
+    with ``right_padding``, that many trailing pad tokens, masked and ignored by the loss."""
     from magistral_cli.testing.tiny_model import IMAGE_TOKEN_ID
 
     gen = torch.Generator().manual_seed(seed)
@@ -166,13 +169,21 @@ def equivalence_batch(vocab_size: int, seq_len: int = 61, seed: int = 123, devic
     pixels = torch.randn(2, 3, 84, 84, generator=gen)
     pixels[0, :, 56:, :] = 0  # image 1 is 56 high, padded like the collator does
     pixels[1, :, :, 56:] = 0
-    return {
+    batch = {
         "input_ids": ids.to(device),
         "labels": labels.to(device),
         "pixel_values": pixels.to(device),
         "image_sizes": torch.tensor([[56, 84], [84, 56]], device=device),
         "position_ids": torch.arange(seq_len, device=device).unsqueeze(0),
     }
+    if right_padding:
+        mask = torch.ones_like(ids)
+        mask[0, seq_len - right_padding :] = 0
+        ids[0, seq_len - right_padding :] = 11  # a pad id
+        labels[0, seq_len - right_padding :] = IGNORE_INDEX
+        batch["attention_mask"] = mask.to(device)
+        batch["input_ids"], batch["labels"] = ids.to(device), labels.to(device)
+    return batch
 
 
 def _reference_loss(model, batch, loss_fn):
@@ -263,6 +274,7 @@ def run_cp_equivalence(
     seed: int = 0,
     freeze_vision: bool = False,
     fsdp: bool = False,
+    right_padding: int = 0,
 ) -> dict:
     """One training step under CP against CP=1 on the same ranks; returns the measured errors.
 
@@ -294,7 +306,9 @@ def run_cp_equivalence(
     initial = {n: p.detach().clone() for n, p in trainable}
     initial_full = {n: _full(p) for n, p in initial.items()}
     optimizer = torch.optim.SGD([p for _, p in trainable], lr=lr)
-    batch = equivalence_batch(master.config.text_config.vocab_size, seq_len, device=device)
+    batch = equivalence_batch(
+        master.config.text_config.vocab_size, seq_len, device=device, right_padding=right_padding
+    )
     if not fsdp:
         batch["pixel_values"] = batch["pixel_values"].to(dtype)
     loss_fn = chunked_cross_entropy_loss(chunk_size) if chunk_loss else None
@@ -355,6 +369,7 @@ def run_cp_equivalence(
         "chunk_loss": chunk_loss,
         "fsdp": fsdp,
         "seq_len": seq_len,
+        "right_padding": right_padding,
         "trainable_parameters": int(ref_grads.numel()),
         "reference_loss": ref_loss.item(),
         "loss": cp_loss.item(),
