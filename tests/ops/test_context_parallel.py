@@ -30,6 +30,8 @@ TWO = {
     "model-ring-fp32-chunk": {"kind": "model", "mode": "ring", "chunk_loss": True},
     # A right-padded batch: the mask is dropped under CP, the padding stays out of the loss.
     "model-ring-fp32-right-padding": {"kind": "model", "mode": "ring", "right_padding": 5},
+    # Activation checkpointing reruns the ring attention in backward, outside the forward call.
+    "model-ring-fp32-recompute": {"kind": "model", "mode": "ring", "recompute": True},
     "model-ulysses-bf16": {"kind": "model", "mode": "ulysses", "dtype": "bf16"},
     "model-ring-bf16-chunk": {"kind": "model", "mode": "ring", "dtype": "bf16", "chunk_loss": True},
     # FSDP2 over dp x cp with mixed precision, as the trainer shards the model.
@@ -54,7 +56,7 @@ FOUR = {
     "model-hybrid-bf16": {"kind": "model", "mode": "hybrid", "dtype": "bf16"},
     # CP 2 inside DP 2: the CP groups are {0, 1} and {2, 3}.
     "model-ring-dp2-fp32": {"kind": "model", "mode": "ring", "ulysses_size": 1, "ring_size": 2},
-    "model-hybrid-fp32-fsdp": {"kind": "model", "mode": "hybrid", "fsdp": True},
+    "model-hybrid-fp32-fsdp-recompute": {"kind": "model", "mode": "hybrid", "fsdp": True, "recompute": True},
     "model-ulysses-dp2-bf16-fsdp": {
         "kind": "model",
         "mode": "ulysses",

@@ -23,6 +23,10 @@ from magistral_cli.ops.context_parallel.groups import ContextParallelError, acti
 from magistral_cli.ops.context_parallel.ring import BlockKernel, ring_attention
 
 ATTENTION_NAME = "magistral_context_parallel"
+#: Attribute on the language model's attention modules holding their CP groups. The groups
+#: live on the modules (not only in the ``context_parallel`` block) because activation
+#: checkpointing reruns the attention during backward, outside the forward call.
+CP_GROUPS_ATTR = "_magistral_cp_groups"
 
 LocalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
@@ -103,7 +107,7 @@ def context_parallel_attention_forward(
         raise ContextParallelError(
             f"{type(module).__name__} is not causal; only the language model may use the CP attention"
         )
-    groups = active_cp_groups()
+    groups = getattr(module, CP_GROUPS_ATTR, None) or active_cp_groups()
     if attention_mask is not None:
         raise ContextParallelError(
             "context parallelism got an attention mask; CP attention is causal over the whole sequence "
@@ -148,6 +152,21 @@ def enable_cp_attention(model) -> str | None:
 def disable_cp_attention(model, implementation: str | None = "sdpa") -> None:
     """Give the language model back an ordinary attention implementation."""
     model.config.text_config._attn_implementation = implementation or "sdpa"
+
+
+def _language_attention_modules(model):
+    for module in model.model.language_model.modules():
+        if getattr(module, "is_causal", False) and hasattr(module, "o_proj"):
+            yield module
+
+
+def bind_cp_groups(model, groups) -> None:
+    """Attach ``groups`` to every attention module of ``model``'s language model (``None`` detaches)."""
+    for module in _language_attention_modules(model):
+        if groups is None:
+            module.__dict__.pop(CP_GROUPS_ATTR, None)
+        else:
+            setattr(module, CP_GROUPS_ATTR, groups)
 
 
 def cp_attention_enabled(model) -> bool:

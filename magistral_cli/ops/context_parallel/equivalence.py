@@ -275,6 +275,7 @@ def run_cp_equivalence(
     freeze_vision: bool = False,
     fsdp: bool = False,
     right_padding: int = 0,
+    recompute: bool = False,
 ) -> dict:
     """One training step under CP against CP=1 on the same ranks; returns the measured errors.
 
@@ -293,6 +294,8 @@ def run_cp_equivalence(
     dtype, device = _to_dtype(dtype), _device()
     master = build_tiny_model(tiny_mistral3_config(vocab_size=512), seed=seed).to(device).train()
     master.config.text_config._attn_implementation = "sdpa"
+    if recompute:  # activation checkpointing of every decoder layer: attention reruns in backward
+        master.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if freeze_vision:
         master.model.vision_tower.requires_grad_(False)
         master.model.multi_modal_projector.requires_grad_(False)
@@ -370,6 +373,7 @@ def run_cp_equivalence(
         "fsdp": fsdp,
         "seq_len": seq_len,
         "right_padding": right_padding,
+        "recompute": recompute,
         "trainable_parameters": int(ref_grads.numel()),
         "reference_loss": ref_loss.item(),
         "loss": cp_loss.item(),

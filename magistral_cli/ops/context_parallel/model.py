@@ -29,7 +29,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from magistral_cli.ops.context_parallel.attention import cp_attention_enabled, enable_cp_attention
+from magistral_cli.ops.context_parallel.attention import (
+    bind_cp_groups,
+    cp_attention_enabled,
+    enable_cp_attention,
+)
 from magistral_cli.ops.context_parallel.comm import sum_across_ranks
 from magistral_cli.ops.context_parallel.groups import (
     ContextParallelError,
@@ -206,6 +210,7 @@ def context_parallel_forward(
     local_positions = split_for_cp(position_ids, groups, dim=position_ids.dim() - 1)
     local_targets = split_for_cp(targets, groups, dim=1)
 
+    bind_cp_groups(model, groups)  # also for recomputation in backward (activation checkpointing)
     with context_parallel(groups):
         outputs = inner.language_model(
             inputs_embeds=local_embeds,
@@ -282,5 +287,6 @@ def remove_context_parallel(model, implementation: str = "sdpa"):
     original = model.__dict__.pop("_cp_original_forward", None)
     if original is not None:
         model.__dict__.pop("forward", None)
+    bind_cp_groups(model, None)
     disable_cp_attention(model, implementation)
     return model
