@@ -109,3 +109,21 @@ def test_cp_forward_rejects_masks_before_running_and_needs_the_cp_attention():
     out = context_parallel_forward(model, single, ids, ids)
     model.config.text_config._attn_implementation = "sdpa"
     torch.testing.assert_close(out.loss, model(input_ids=ids, labels=ids).loss)
+
+
+def test_ulysses_repeats_kv_heads_or_explains_the_head_limit():
+    from magistral_cli.ops.context_parallel.attention import _kv_for_ulysses
+
+    k = torch.randn(1, 2, 4, 8)
+    same, _ = _kv_for_ulysses(k, k, num_heads=8, size=2)
+    assert same is k  # 2 key/value heads divide over 2 ranks: sent as they are
+    repeated, _ = _kv_for_ulysses(k, k, num_heads=8, size=4)
+    assert repeated.shape[1] == 8 and torch.equal(repeated[:, 3], k[:, 0])  # one copy per query head
+    with pytest.raises(ContextParallelError, match="ring_attention_size"):
+        _kv_for_ulysses(k, k, num_heads=6, size=4)
+
+
+def test_cp_errors_are_user_errors():
+    from magistral_cli.errors import UserError
+
+    assert issubclass(ContextParallelError, UserError) and ContextParallelError.exit_code == 2

@@ -276,12 +276,18 @@ def run_cp_equivalence(
     fsdp: bool = False,
     right_padding: int = 0,
     recompute: bool = False,
+    loss_fn=None,
 ) -> dict:
     """One training step under CP against CP=1 on the same ranks; returns the measured errors.
 
     Runs inside an initialised process group; ``mode`` is ulysses, ring or hybrid over the whole
     world unless ``ulysses_size`` / ``ring_size`` are given (the rest is data parallel, whose
     replicas hold the same batch). Every rank returns the same numbers.
+
+    The loss is the plain transformers one, or with ``chunk_loss`` this module's chunked cross
+    entropy (``chunk_size`` tokens a chunk), or ``loss_fn`` (a :data:`model.LossFn`, e.g. the
+    trainer's chunked loss) for both runs. ``recompute`` checkpoints every decoder layer;
+    ``right_padding`` pads the batch on the right with a mask.
 
     ``fsdp=False``: fp32 master weights and a ``dtype`` compute copy; CP partial gradients are
     averaged over the CP group by hand. ``fsdp=True``: the model is sharded with
@@ -314,7 +320,8 @@ def run_cp_equivalence(
     )
     if not fsdp:
         batch["pixel_values"] = batch["pixel_values"].to(dtype)
-    loss_fn = chunked_cross_entropy_loss(chunk_size) if chunk_loss else None
+    if loss_fn is None and chunk_loss:
+        loss_fn = chunked_cross_entropy_loss(chunk_size)
 
     def step(forward, cp: bool):
         optimizer.zero_grad(set_to_none=True)

@@ -20,9 +20,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from magistral_cli.errors import UserError
 
-class ContextParallelError(RuntimeError):
-    """A batch, model or configuration that context parallelism cannot run correctly."""
+
+class ContextParallelError(UserError, RuntimeError):
+    """A batch, model or configuration that context parallelism cannot run correctly (exit 2)."""
 
 
 @dataclass(frozen=True)
