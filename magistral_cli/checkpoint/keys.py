@@ -39,7 +39,9 @@ def transformers_to_official_key(key: str) -> str:
 
 
 def is_transformers_key(key: str) -> bool:
-    return key == "lm_head.weight" or key.startswith(("lm_head.", "model.language_model.", "model.vision_tower.", "model.multi_modal_projector."))
+    return key == "lm_head.weight" or key.startswith(
+        ("lm_head.", "model.language_model.", "model.vision_tower.", "model.multi_modal_projector.")
+    )
 
 
 def to_transformers_key(key: str) -> str:
@@ -53,7 +55,9 @@ def transformers_to_megatron_key(key: str) -> str:
 
 def megatron_to_transformers_key(key: str) -> str:
     if not key.startswith(MEGATRON_PREFIX + "model.") and not key.startswith(MEGATRON_PREFIX + "lm_head."):
-        raise KeyError(f"{key!r} is not a key of the megatron layout (expected 'model.model.*' or 'model.lm_head.*')")
+        raise KeyError(
+            f"{key!r} is not a key of the megatron layout (expected 'model.model.*' or 'model.lm_head.*')"
+        )
     return key[len(MEGATRON_PREFIX) :]
 
 

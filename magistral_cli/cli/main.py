@@ -11,7 +11,6 @@ import os
 import sys
 from typing import Annotated, Optional
 
-import click
 import typer
 from typer.core import TyperGroup
 
@@ -32,16 +31,16 @@ def debug_enabled() -> bool:
 class _Group(TyperGroup):
     """Turns our errors into one message and an exit code instead of a traceback."""
 
-    def invoke(self, ctx: click.Context):
+    def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except MagistralError as exc:
             if debug_enabled():
                 raise
             console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False, soft_wrap=True)
-            raise click.exceptions.Exit(exc.exit_code) from None
+            raise typer.Exit(exc.exit_code) from None
 
-    def list_commands(self, ctx: click.Context):
+    def list_commands(self, ctx):
         # The workflow order, not alphabetical.
         return list(self.commands)
 

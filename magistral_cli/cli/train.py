@@ -11,22 +11,41 @@ from .output import console, emit_json
 
 
 def train(
-    recipe: Annotated[Path, typer.Argument(help="Recipe YAML (MindSpeed-MM FSDP2 format).", show_default=False)],
+    recipe: Annotated[
+        Path, typer.Argument(help="Recipe YAML (MindSpeed-MM FSDP2 format).", show_default=False)
+    ],
     overrides: Annotated[
         Optional[List[str]],
-        typer.Argument(help="Overrides such as training.lr=2e-5 model.freeze=[model.vision_tower].", show_default=False),
+        typer.Argument(
+            help="Overrides such as training.lr=2e-5 model.freeze=[model.vision_tower].", show_default=False
+        ),
     ] = None,
     nproc_per_node: Annotated[
-        Optional[int], typer.Option("--nproc-per-node", min=1, help="Processes per node (default: the recipe's, else one per device).")
+        Optional[int],
+        typer.Option(
+            "--nproc-per-node", min=1, help="Processes per node (default: the recipe's, else one per device)."
+        ),
     ] = None,
     nnodes: Annotated[int, typer.Option("--nnodes", min=1, help="Number of nodes.")] = 1,
     node_rank: Annotated[int, typer.Option("--node-rank", min=0, help="Rank of this node.")] = 0,
-    master_addr: Annotated[str, typer.Option("--master-addr", help="Address of the rank-0 node.")] = "127.0.0.1",
-    master_port: Annotated[int, typer.Option("--master-port", min=1, max=65535, help="Port on the rank-0 node.")] = 29500,
+    master_addr: Annotated[
+        Optional[str], typer.Option("--master-addr", help="Address of the rank-0 node (multi-node runs).")
+    ] = None,
+    master_port: Annotated[
+        Optional[int],
+        typer.Option(
+            "--master-port",
+            min=1,
+            max=65535,
+            help="Rendezvous port (default: a free port on one node, 29500 across nodes).",
+        ),
+    ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Resolve, write the run directory, print the command, and stop.")
     ] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the launch plan as one JSON object on stdout.")] = False,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print the launch plan as one JSON object on stdout.")
+    ] = False,
 ) -> None:
     """Train with the FSDP2 engine under torchrun (per-rank logs in the run directory)."""
     from magistral_cli.launch.launcher import LaunchOptions, plan_launch, run_launch

@@ -28,7 +28,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if data is None:
         raise UserError(f"recipe {path} is empty")
     if not isinstance(data, dict):
-        raise UserError(f"recipe {path} must be a mapping of sections (parallel, data, model, ...), got {type(data).__name__}")
+        raise UserError(
+            f"recipe {path} must be a mapping of sections (parallel, data, model, ...), got {type(data).__name__}"
+        )
     return data
 
 
@@ -124,7 +126,11 @@ def describe_validation_error(exc: ValidationError) -> list[str]:
         else:
             msg = err["msg"].removeprefix("Value error, ")
             got = err.get("input")
-            shown = "" if isinstance(got, dict | list) or err["type"].startswith("value_error") else f" (got {got!r})"
+            shown = (
+                ""
+                if isinstance(got, dict | list) or err["type"].startswith("value_error")
+                else f" (got {got!r})"
+            )
             lines.append(f"{path}: {msg}{shown}")
     return lines
 

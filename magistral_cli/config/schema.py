@@ -44,7 +44,8 @@ class FSDPPlan(Section):
         description="Module patterns wrapped with fully_shard, applied bottom-up in this order; the root is always wrapped last.",
     )
     param_dtype: Optional[Dtype] = Field(
-        "bf16", description="Dtype of the all-gathered parameters in forward/backward (MixedPrecisionPolicy.param_dtype)."
+        "bf16",
+        description="Dtype of the all-gathered parameters in forward/backward (MixedPrecisionPolicy.param_dtype).",
     )
     reduce_dtype: Optional[Dtype] = Field(
         "fp32", description="Dtype of gradient reduce-scatter (MixedPrecisionPolicy.reduce_dtype)."
@@ -59,20 +60,26 @@ class FSDPPlan(Section):
         False,
         description="Register the Triton kernel for FSDP2's all-gather copy-out (split_with_sizes_copy) in this process.",
     )
-    pregather: bool = Field(False, description="MindSpeed-MM pre-gather switch; accepted for compatibility, unused.")
+    pregather: bool = Field(
+        False, description="MindSpeed-MM pre-gather switch; accepted for compatibility, unused."
+    )
     reshard_after_forward: bool = Field(
         True, description="Free the gathered parameters after forward and gather again in backward (ZeRO-3)."
     )
 
 
 class Parallel(Section):
-    tensor_parallel_size: int = Field(1, ge=1, description="Tensor parallelism degree. Only 1 is supported (pure FSDP2).")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Tensor parallelism degree. Only 1 is supported (pure FSDP2)."
+    )
     fully_shard_parallel_size: Union[Literal["auto"], int] = Field(
         "auto", description="FSDP degree; 'auto' = world size / context-parallel degree."
     )
     fsdp_plan: FSDPPlan = Field(default_factory=FSDPPlan, description="What FSDP2 wraps and how.")
     ring_attention_size: int = Field(1, ge=1, description="Ring-attention context-parallel degree.")
-    ulysses_parallel_size: int = Field(1, ge=1, description="Ulysses (all-to-all over heads) context-parallel degree.")
+    ulysses_parallel_size: int = Field(
+        1, ge=1, description="Ulysses (all-to-all over heads) context-parallel degree."
+    )
     device: Device = Field(
         "auto", description="Addition. Device to train on: auto picks npu, then cuda, then cpu."
     )
@@ -108,7 +115,9 @@ class Parallel(Section):
 class DatasetAttr(Section):
     system: Optional[str] = Field(None, description="Column holding the system prompt (ShareGPT style).")
     images: Optional[str] = Field("images", description="Column holding the list of image paths.")
-    videos: Optional[str] = Field(None, description="Column holding the list of video paths (not supported for Magistral).")
+    videos: Optional[str] = Field(
+        None, description="Column holding the list of video paths (not supported for Magistral)."
+    )
     messages: str = Field("messages", description="Column holding the conversation.")
     role_tag: str = Field("role", description="Key of a message's role.")
     content_tag: str = Field("content", description="Key of a message's text.")
@@ -116,19 +125,32 @@ class DatasetAttr(Section):
     assistant_tag: str = Field("assistant", description="Role value of assistant turns.")
     observation_tag: Optional[str] = Field(None, description="Role value of tool results ([TOOL_RESULTS]).")
     function_tag: Optional[str] = Field(None, description="Role value of tool calls.")
-    system_tag: Optional[str] = Field(None, description="Role value of system messages inside the conversation.")
+    system_tag: Optional[str] = Field(
+        None, description="Role value of system messages inside the conversation."
+    )
     formatting: Literal["alpaca", "sharegpt", "auto"] = Field(
-        "auto", description="Addition. Record style; auto detects LLaVA 'messages' or ShareGPT 'conversations'."
+        "auto",
+        description="Addition. Record style; auto detects LLaVA 'messages' or ShareGPT 'conversations'.",
     )
 
 
 class PreprocessParameters(Section):
-    model_name_or_path: Optional[str] = Field(None, description="Model directory holding the tokenizer and processor files.")
+    model_name_or_path: Optional[str] = Field(
+        None, description="Model directory holding the tokenizer and processor files."
+    )
     use_fast_tokenizer: bool = Field(True, description="Use the fast (tokenizers) implementation.")
-    split_special_tokens: bool = Field(False, description="Tokenize special-token strings in text as plain text.")
-    image_max_pixels: int = Field(262144, ge=1, description="Images larger than this many pixels are downscaled.")
-    image_min_pixels: int = Field(1024, ge=0, description="Images smaller than this many pixels are upscaled.")
-    video_max_pixels: int = Field(16384, ge=0, description="Video frame pixel limit (videos unsupported for Magistral).")
+    split_special_tokens: bool = Field(
+        False, description="Tokenize special-token strings in text as plain text."
+    )
+    image_max_pixels: int = Field(
+        262144, ge=1, description="Images larger than this many pixels are downscaled."
+    )
+    image_min_pixels: int = Field(
+        1024, ge=0, description="Images smaller than this many pixels are upscaled."
+    )
+    video_max_pixels: int = Field(
+        16384, ge=0, description="Video frame pixel limit (videos unsupported for Magistral)."
+    )
     video_min_pixels: int = Field(0, ge=0, description="Video frame minimum pixels.")
     video_fps: float = Field(2.0, gt=0, description="Video sampling rate.")
     video_maxlen: int = Field(64, ge=0, description="Maximum sampled video frames.")
@@ -151,23 +173,37 @@ class PreprocessParameters(Section):
 
 
 class BasicParameters(Section):
-    cutoff_len: int = Field(2048, ge=1, description="Maximum tokens per sample; samples whose image tokens would be cut are dropped.")
+    cutoff_len: int = Field(
+        2048,
+        ge=1,
+        description="Maximum tokens per sample; samples whose image tokens would be cut are dropped.",
+    )
     template: str = Field("mistral", description="Chat template name.")
-    enable_thinking: bool = Field(False, description="Use Magistral's default [THINK] system prompt when a sample has none.")
+    enable_thinking: bool = Field(
+        False, description="Use Magistral's default [THINK] system prompt when a sample has none."
+    )
     train_on_prompt: bool = Field(False, description="Also train on prompt tokens.")
     mask_history: bool = Field(False, description="Train on the last assistant turn only.")
     tool_format: Optional[str] = Field(None, description="Tool-call format (unused by the mistral template).")
     dataset_dir: Optional[str] = Field(None, description="Directory that image paths are relative to.")
     dataset: Optional[str] = Field(None, description="Dataset file (LLaVA/ShareGPT JSON or JSONL).")
-    cache_dir: str = Field("./cache_dir/", description="Where encoded samples are cached, keyed by a fingerprint.")
+    cache_dir: str = Field(
+        "./cache_dir/", description="Where encoded samples are cached, keyed by a fingerprint."
+    )
     overwrite_cache: bool = Field(False, description="Re-encode even when a cache entry exists.")
     preprocessing_batch_size: int = Field(1000, ge=1, description="Rows handed to a worker at a time.")
-    preprocessing_num_workers: Optional[int] = Field(None, ge=1, description="Worker processes for preprocessing.")
+    preprocessing_num_workers: Optional[int] = Field(
+        None, ge=1, description="Worker processes for preprocessing."
+    )
     max_samples: Optional[int] = Field(None, ge=1, description="Use only the first N rows.")
     packing: bool = Field(False, description="Concatenate samples up to cutoff_len (causal across samples).")
     neat_packing: bool = Field(False, description="Packing without cross-sample attention (not supported).")
-    default_system: Optional[str] = Field(None, description="Addition. System prompt for samples that have none.")
-    streaming: bool = Field(False, description="MindSpeed-MM streaming switch (not supported; must stay false).")
+    default_system: Optional[str] = Field(
+        None, description="Addition. System prompt for samples that have none."
+    )
+    streaming: bool = Field(
+        False, description="MindSpeed-MM streaming switch (not supported; must stay false)."
+    )
 
     @field_validator("streaming")
     @classmethod
@@ -178,12 +214,18 @@ class BasicParameters(Section):
 
 
 class DatasetParam(Section):
-    dataset_type: str = Field("huggingface", description="Dataset loader kind; 'huggingface' is the LLaVA/ShareGPT JSON reader.")
-    attr: DatasetAttr = Field(default_factory=DatasetAttr, description="Column and role names of the dataset.")
+    dataset_type: str = Field(
+        "huggingface", description="Dataset loader kind; 'huggingface' is the LLaVA/ShareGPT JSON reader."
+    )
+    attr: DatasetAttr = Field(
+        default_factory=DatasetAttr, description="Column and role names of the dataset."
+    )
     preprocess_parameters: PreprocessParameters = Field(
         default_factory=PreprocessParameters, description="Tokenizer and image processing."
     )
-    basic_parameters: BasicParameters = Field(default_factory=BasicParameters, description="Template, truncation, cache.")
+    basic_parameters: BasicParameters = Field(
+        default_factory=BasicParameters, description="Template, truncation, cache."
+    )
 
 
 class CollateParam(Section):
@@ -197,7 +239,9 @@ class DataloaderParam(Section):
     dataloader_mode: str = Field("sampler", description="MindSpeed-MM loader mode; 'sampler' is supported.")
     drop_last: bool = Field(True, description="Drop the last incomplete global batch.")
     sampler_type: str = Field("BaseRandomBatchSampler", description="Batch sampler class name.")
-    infinite_sampler: bool = Field(False, description="Continue across epochs in the order of consecutive epochs.")
+    infinite_sampler: bool = Field(
+        False, description="Continue across epochs in the order of consecutive epochs."
+    )
     num_workers: int = Field(0, ge=0, description="Data-loader worker processes per rank.")
     prefetch_factor: Optional[int] = Field(None, ge=1, description="Batches prefetched per worker.")
     persistent_workers: bool = Field(False, description="Keep workers alive across epochs.")
@@ -206,16 +250,24 @@ class DataloaderParam(Section):
 
 
 class Data(Section):
-    dataset_param: DatasetParam = Field(default_factory=DatasetParam, description="What to read and how to encode it.")
-    dataloader_param: DataloaderParam = Field(default_factory=DataloaderParam, description="How batches are loaded.")
+    dataset_param: DatasetParam = Field(
+        default_factory=DatasetParam, description="What to read and how to encode it."
+    )
+    dataloader_param: DataloaderParam = Field(
+        default_factory=DataloaderParam, description="How batches are loaded."
+    )
 
 
 # --------------------------------------------------------------------------- model
 
 
 class Model(Section):
-    model_id: str = Field("mistral3", description="Model family; only 'mistral3' (Mistral3ForConditionalGeneration).")
-    model_name_or_path: Optional[str] = Field(None, description="Model directory with config.json (and weights).")
+    model_id: str = Field(
+        "mistral3", description="Model family; only 'mistral3' (Mistral3ForConditionalGeneration)."
+    )
+    model_name_or_path: Optional[str] = Field(
+        None, description="Model directory with config.json (and weights)."
+    )
     trust_remote_code: bool = Field(False, description="Allow code from the model directory. Off by default.")
     attn_implementation: str = Field(
         "sdpa",
@@ -238,11 +290,15 @@ class Model(Section):
 
 
 class LossCfg(Section):
-    loss_type: str = Field("default", description="Loss kind; 'default' = token-level cross entropy over the global batch.")
+    loss_type: str = Field(
+        "default", description="Loss kind; 'default' = token-level cross entropy over the global batch."
+    )
 
 
 class ModulePlan(Section):
-    apply_modules: list[str] = Field(default_factory=list, description="Module patterns the feature applies to.")
+    apply_modules: list[str] = Field(
+        default_factory=list, description="Module patterns the feature applies to."
+    )
 
 
 class ChunkLossPlan(Section):
@@ -253,15 +309,23 @@ class ChunkLossPlan(Section):
 class Features(Section):
     loss_cfg: LossCfg = Field(default_factory=LossCfg, description="Loss settings.")
     recompute: bool = Field(False, description="Activation checkpointing over recompute_plan.")
-    recompute_plan: ModulePlan = Field(default_factory=ModulePlan, description="Modules whose activations are recomputed.")
-    enable_chunk_loss: bool = Field(False, description="Compute the loss in chunks without materialising full logits.")
+    recompute_plan: ModulePlan = Field(
+        default_factory=ModulePlan, description="Modules whose activations are recomputed."
+    )
+    enable_chunk_loss: bool = Field(
+        False, description="Compute the loss in chunks without materialising full logits."
+    )
     chunkloss_plan: ChunkLossPlan = Field(default_factory=ChunkLossPlan, description="Chunked-loss settings.")
     contiguous_linear_grad_modules: list[str] = Field(
         default_factory=list,
         description="Bias-free Linear modules computing contiguous weight gradients on NPU/CUDA in bf16/fp16.",
     )
-    enable_activation_offload: bool = Field(False, description="Offload activations to the host (not supported; accepted as false).")
-    activation_offload_plan: ModulePlan = Field(default_factory=ModulePlan, description="Modules for activation offload.")
+    enable_activation_offload: bool = Field(
+        False, description="Offload activations to the host (not supported; accepted as false)."
+    )
+    activation_offload_plan: ModulePlan = Field(
+        default_factory=ModulePlan, description="Modules for activation offload."
+    )
 
     @field_validator("enable_activation_offload")
     @classmethod
@@ -273,7 +337,9 @@ class Features(Section):
     @model_validator(mode="after")
     def _recompute_plan(self):
         if self.recompute and not self.recompute_plan.apply_modules:
-            raise ValueError("recompute is true but recompute_plan.apply_modules is empty; name the modules to recompute")
+            raise ValueError(
+                "recompute is true but recompute_plan.apply_modules is empty; name the modules to recompute"
+            )
         return self
 
 
@@ -286,23 +352,38 @@ class Training(Section):
     seed: int = Field(42, description="Seeds every rank (and the data order).")
     lr: float = Field(1.0e-5, gt=0, description="Peak learning rate.")
     min_lr: float = Field(0.0, ge=0, description="Addition. Learning rate at the end of the decay.")
-    lr_decay_style: Literal["cosine", "linear", "constant"] = Field("cosine", description="Schedule after warm-up.")
-    lr_warmup_ratio: float = Field(0.0, ge=0, le=1, description="Fraction of train_iters spent in linear warm-up.")
+    lr_decay_style: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Schedule after warm-up."
+    )
+    lr_warmup_ratio: float = Field(
+        0.0, ge=0, le=1, description="Fraction of train_iters spent in linear warm-up."
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     train_iters: int = Field(..., ge=1, description="Optimizer steps to run.")
-    clip_grad: float = Field(0.0, ge=0, description="Clip the global gradient norm to this value; 0 = off (the norm is logged anyway).")
-    init_model_with_meta_device: bool = Field(True, description="Build the model on the meta device, shard, then materialize.")
+    clip_grad: float = Field(
+        0.0,
+        ge=0,
+        description="Clip the global gradient norm to this value; 0 = off (the norm is logged anyway).",
+    )
+    init_model_with_meta_device: bool = Field(
+        True, description="Build the model on the meta device, shard, then materialize."
+    )
     optimizer: Literal["adamw", "adamw_swap"] = Field(
-        "adamw", description="adamw, or adamw_swap (optimizer state held in host memory, streamed for the step)."
+        "adamw",
+        description="adamw, or adamw_swap (optimizer state held in host memory, streamed for the step).",
     )
     adam_fused: bool = Field(False, description="Use the fused AdamW kernel where the device has one.")
     log_interval: int = Field(1, ge=1, description="Write metrics every N steps.")
     save_interval: int = Field(10000, ge=0, description="Checkpoint every N steps (0 = never).")
-    load: Optional[str] = Field(None, description="Weights to start from: an HF model directory, a DCP directory or a run checkpoint.")
-    load_format: Literal["hf", "dcp", "auto"] = Field("auto", description="Format of training.load; auto detects it.")
+    load: Optional[str] = Field(
+        None, description="Weights to start from: an HF model directory, a DCP directory or a run checkpoint."
+    )
+    load_format: Literal["hf", "dcp", "auto"] = Field(
+        "auto", description="Format of training.load; auto detects it."
+    )
     save: Optional[str] = Field(None, description="Checkpoint directory (default: <output_dir>/checkpoints).")
     load_strict: bool = Field(True, description="Any missing or unexpected key stops the run before step 1.")
     resume: Literal["auto", "never"] = Field(
@@ -313,21 +394,29 @@ class Training(Section):
     no_save_optim: bool = Field(False, description="Do not save the optimizer state.")
     no_save_rng: bool = Field(False, description="Do not save RNG states.")
     use_deter_comp: bool = Field(False, description="Deterministic algorithms (slower).")
-    manual_gc_interval: int = Field(0, ge=0, description="Disable automatic GC and collect every N steps (0 = off).")
+    manual_gc_interval: int = Field(
+        0, ge=0, description="Disable automatic GC and collect every N steps (0 = off)."
+    )
     freeze_gc_after_init: bool = Field(
         False, description="Collect once and freeze setup objects; automatic GC stays on for new objects."
     )
-    plugin: list[str] = Field(default_factory=list, description="MindSpeed-MM plugin paths; accepted for compatibility, unused.")
+    plugin: list[str] = Field(
+        default_factory=list, description="MindSpeed-MM plugin paths; accepted for compatibility, unused."
+    )
     output_dir: Optional[str] = Field(
         None, description="Addition. Run directory (default runs/<recipe-name>-<timestamp>)."
     )
-    val_interval: int = Field(0, ge=0, description="Validation interval (validation is not supported; keep 0).")
+    val_interval: int = Field(
+        0, ge=0, description="Validation interval (validation is not supported; keep 0)."
+    )
 
     @model_validator(mode="after")
     def _gc(self):
         # The seed's rule: freezing setup objects assumes automatic GC stays enabled.
         if self.freeze_gc_after_init and self.manual_gc_interval > 0:
-            raise ValueError("freeze_gc_after_init cannot be combined with manual_gc_interval > 0; set one of them")
+            raise ValueError(
+                "freeze_gc_after_init cannot be combined with manual_gc_interval > 0; set one of them"
+            )
         return self
 
 
@@ -340,7 +429,9 @@ class StaticProfileParam(Section):
     with_memory: bool = Field(False, description="Record memory events.")
     record_shapes: bool = Field(False, description="Record operator input shapes.")
     with_cpu: bool = Field(True, description="Profile CPU activity.")
-    save_path: str = Field("./profiling", description="Output directory (relative paths go under the run directory).")
+    save_path: str = Field(
+        "./profiling", description="Output directory (relative paths go under the run directory)."
+    )
     start_step: int = Field(10, ge=1, description="First profiled step.")
     end_step: int = Field(11, ge=1, description="Step after the last profiled one.")
     data_simplification: bool = Field(False, description="NPU profiler data simplification.")
@@ -357,14 +448,18 @@ class Profile(Section):
     enable: bool = Field(False, description="Run the torch profiler.")
     profile_type: str = Field("static", description="Only 'static' (a fixed step range).")
     ranks: list[int] = Field(default_factory=lambda: [0], description="Ranks that profile.")
-    static_param: StaticProfileParam = Field(default_factory=StaticProfileParam, description="Step range and options.")
+    static_param: StaticProfileParam = Field(
+        default_factory=StaticProfileParam, description="Step range and options."
+    )
 
 
 class MemoryProfile(Section):
     enable: bool = Field(False, description="Record an allocator snapshot (CUDA / NPU).")
     start_step: int = Field(1, ge=1, description="First recorded step.")
     end_step: int = Field(2, ge=1, description="Step at which the snapshot is dumped.")
-    save_path: str = Field("./memory_snapshot", description="Output directory (relative paths go under the run directory).")
+    save_path: str = Field(
+        "./memory_snapshot", description="Output directory (relative paths go under the run directory)."
+    )
     dump_ranks: list[int] = Field(default_factory=lambda: [0], description="Ranks that dump a snapshot.")
     stacks: str = Field("all", description="Stack recording: all or python.")
     max_entries: Optional[int] = Field(None, ge=1, description="Maximum recorded allocator events.")

@@ -74,4 +74,8 @@ def resolve_device(requested: str) -> tuple[str, int | None, str | None]:
         return found, count, None
     if requested == "cpu":
         return "cpu", 1, None
-    return requested, None, f"parallel.device is {requested!r} but no {requested} device is visible here (found {found})"
+    return (
+        requested,
+        None,
+        f"parallel.device is {requested!r} but no {requested} device is visible here (found {found})",
+    )

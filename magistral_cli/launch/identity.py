@@ -25,8 +25,25 @@ from magistral_cli import __version__
 MANIFEST_NAME = "magistral-manifest.json"
 
 #: Environment variables worth recording (prefixes and exact names).
-_ENV_PREFIXES = ("HCCL_", "NCCL_", "PYTORCH_", "TORCH_", "ASCEND_", "CUDA_", "MULTI_STREAM", "TASK_QUEUE", "CPU_AFFINITY")
-_ENV_NAMES = ("OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "HF_ENDPOINT", "HF_HUB_OFFLINE", "TRITON_INTERPRET")
+_ENV_PREFIXES = (
+    "HCCL_",
+    "NCCL_",
+    "PYTORCH_",
+    "TORCH_",
+    "ASCEND_",
+    "CUDA_",
+    "MULTI_STREAM",
+    "TASK_QUEUE",
+    "CPU_AFFINITY",
+)
+_ENV_NAMES = (
+    "OMP_NUM_THREADS",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "HF_ENDPOINT",
+    "HF_HUB_OFFLINE",
+    "TRITON_INTERPRET",
+)
 #: Never recorded, whatever their prefix: credentials.
 _SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_KEY|ACCESS_KEY", re.IGNORECASE)
 
@@ -60,7 +77,11 @@ def source_git_sha() -> dict[str, Any]:
         return {"sha": None, "dirty": None}
     try:
         sha = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],

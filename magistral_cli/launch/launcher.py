@@ -186,7 +186,8 @@ def plan_launch(recipe_path: str | Path, overrides: list[str], options: LaunchOp
 
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "resolved_config.yaml").write_text(
-        f"# Resolved from {recipe_path} with overrides: {' '.join(overrides) or '(none)'}\n" + recipe_to_yaml(recipe),
+        f"# Resolved from {recipe_path} with overrides: {' '.join(overrides) or '(none)'}\n"
+        + recipe_to_yaml(recipe),
         encoding="utf-8",
     )
     identity = build_identity(
@@ -226,7 +227,9 @@ def run_launch(plan: LaunchPlan, console) -> int:
     summary = plan.run_dir / "summary.json"
     if not summary.exists():
         # The engine writes summary.json when it finishes; if it did not get that far, record how it ended.
-        write_json(summary, {"steps": None, "wall_s": round(time.monotonic() - start, 3), "exit_status": code})
+        write_json(
+            summary, {"steps": None, "wall_s": round(time.monotonic() - start, 3), "exit_status": code}
+        )
     if code != 0:
         console.print(f"[red]training failed[/] (exit status {code}); per-rank logs: {plan.run_dir / 'logs'}")
     return code

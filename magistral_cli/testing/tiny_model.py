@@ -83,7 +83,9 @@ def build_tiny_model(config=None, seed: int = 0, dtype: Any = None):
     return model.eval()
 
 
-def save_official_checkpoint(model, out_dir: str | Path, num_shards: int = 2, dtype: Any = "bfloat16") -> Path:
+def save_official_checkpoint(
+    model, out_dir: str | Path, num_shards: int = 2, dtype: Any = "bfloat16"
+) -> Path:
     """Write ``model`` as the official repository does: config.json, shards, index (official keys).
 
     Tensors are split over ``num_shards`` files in state-dict order, like the official

@@ -1,0 +1,102 @@
+"""The top-level command: help, version, error handling, cheap start-up."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from magistral_cli import __version__
+from magistral_cli.cli.main import app
+from magistral_cli.cli.pending import register_pending
+
+runner = CliRunner()
+SUBCOMMANDS = ["fetch", "convert", "preprocess", "train", "compare", "probe", "quickstart"]
+
+
+def test_help_lists_the_seven_subcommands_in_workflow_order():
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    positions = [result.output.find(f" {name} ") for name in SUBCOMMANDS]
+    assert all(p >= 0 for p in positions), result.output
+    assert positions == sorted(positions)
+
+
+def test_version():
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0
+    assert result.output.strip() == f"magistral-cli {__version__}"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], *[[name, "--help"] for name in SUBCOMMANDS]])
+def test_help_and_version_do_not_import_torch_or_transformers(argv):
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from typer.testing import CliRunner
+        from magistral_cli.cli.main import app
+        result = CliRunner().invoke(app, {argv!r})
+        assert result.exit_code == 0, result.output
+        print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_console_entry_point_runs():
+    out = subprocess.run([sys.executable, "-m", "magistral_cli", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and __version__ in out.stdout
+
+
+def test_bad_flag_exits_2():
+    result = runner.invoke(app, ["train", "--no-such-flag"])
+    assert result.exit_code == 2
+
+
+def test_user_error_is_one_message_without_traceback(tmp_path):
+    result = runner.invoke(app, ["train", str(tmp_path / "missing.yaml"), "--dry-run"])
+    assert result.exit_code == 2
+    assert "recipe not found" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    code = "from magistral_cli.cli.main import main; main()"
+    out = subprocess.run(
+        [sys.executable, "-c", code, "--debug", "train", str(tmp_path / "missing.yaml"), "--dry-run"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode != 0
+    assert "Traceback" in out.stderr and "UserError" in out.stderr
+
+
+def test_env_debug_shows_the_traceback(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "magistral_cli", "train", str(tmp_path / "missing.yaml"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "MAGISTRAL_DEBUG": "1"},
+    )
+    assert out.returncode != 0 and "Traceback" in out.stderr
+
+
+def test_pending_command_says_so_and_exits_2():
+    sub = typer.Typer()
+
+    @sub.callback()
+    def _root() -> None:
+        pass
+
+    register_pending(sub, "later", "Something later.", "it is planned")
+    from magistral_cli.cli.main import _Group
+
+    sub.info.cls = _Group
+    result = runner.invoke(sub, ["later", "--anything", "x"])
+    assert result.exit_code == 2
+    assert "not available in this version yet: it is planned" in result.output

@@ -1,0 +1,215 @@
+"""`magistral train`: run directory, run identity, torchrun command, environment precedence."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from magistral_cli.cli.main import app
+from magistral_cli.errors import UserError
+from magistral_cli.launch.device import NPU_ENV, merge_env
+from magistral_cli.launch.identity import relevant_environment
+from magistral_cli.launch.launcher import LaunchOptions, plan_launch, run_launch
+
+REPO = Path(__file__).resolve().parents[2]
+EIGHT_CARD = REPO / "recipes" / "magistral-small-2509" / "v1_8card.yaml"
+TINY = REPO / "recipes" / "tiny" / "tiny_cpu.yaml"
+runner = CliRunner()
+
+
+@pytest.fixture
+def machine_paths(tmp_path):
+    """A model directory with a fetch manifest and a dataset file, as overrides."""
+    model = tmp_path / "Magistral-Small-2509"
+    model.mkdir()
+    manifest = {"format": 1, "files": [{"name": "config.json", "sha256": "ab" * 32, "bytes": 3}]}
+    (model / "magistral-manifest.json").write_text(json.dumps(manifest))
+    data = tmp_path / "data"
+    data.mkdir()
+    dataset = data / "llava.json"
+    dataset.write_text('[{"messages": [], "images": []}]')
+    overrides = [
+        f"data.dataset_param.preprocess_parameters.model_name_or_path={model}",
+        f"model.model_name_or_path={model}",
+        f"training.load={model}",
+        f"data.dataset_param.basic_parameters.dataset_dir={data}",
+        f"data.dataset_param.basic_parameters.dataset={dataset}",
+        f"training.output_dir={tmp_path / 'run'}",
+    ]
+    return {"model": model, "dataset": dataset, "run": tmp_path / "run", "overrides": overrides}
+
+
+def test_dry_run_of_the_8_card_recipe(machine_paths):
+    result = runner.invoke(
+        app, ["train", str(EIGHT_CARD), *machine_paths["overrides"], "--dry-run", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    cmd = plan["command"]
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "8"
+    assert cmd[-2:] == ["magistral_cli.engine.run", str(machine_paths["run"] / "resolved_config.yaml")]
+    assert "--standalone" in cmd and str(machine_paths["run"] / "logs") in cmd
+    assert plan["world_size"] == 8
+
+    run = machine_paths["run"]
+    resolved = yaml.safe_load((run / "resolved_config.yaml").read_text())
+    assert resolved["training"]["output_dir"] == str(run)
+    assert resolved["training"]["adam_beta1"] == 0.9  # defaults filled in
+    assert resolved["parallel"]["nproc_per_node"] == 8
+
+    identity = json.loads((run / "run_identity.json").read_text())
+    expected = hashlib.sha256(machine_paths["dataset"].read_bytes()).hexdigest()
+    assert identity["dataset"]["sha256"] == expected
+    assert identity["assets"]["files"] == {"config.json": "ab" * 32}
+    assert identity["world_size"] == 8 and identity["nproc_per_node"] == 8
+    assert identity["versions"]["torch"] and identity["versions"]["transformers"]
+    assert identity["recipe"]["sha256"] == hashlib.sha256(EIGHT_CARD.read_bytes()).hexdigest()
+    assert (run / "logs").is_dir()
+    assert "dry run" in result.stderr
+
+
+def test_nproc_flag_wins_over_the_recipe(machine_paths):
+    plan = plan_launch(EIGHT_CARD, machine_paths["overrides"], LaunchOptions(nproc_per_node=2, dry_run=True))
+    assert plan.command[plan.command.index("--nproc-per-node") + 1] == "2"
+    assert plan.world_size == 2
+
+
+def test_multi_node_uses_torchrun_static_rendezvous(machine_paths):
+    options = LaunchOptions(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=6000, dry_run=True)
+    plan = plan_launch(EIGHT_CARD, machine_paths["overrides"], options)
+    cmd = plan.command
+    assert "--standalone" not in cmd
+    for flag, value in [
+        ("--nnodes", "2"),
+        ("--node-rank", "1"),
+        ("--master-addr", "10.0.0.1"),
+        ("--master-port", "6000"),
+    ]:
+        assert cmd[cmd.index(flag) + 1] == value
+    assert plan.world_size == 16
+
+
+@pytest.mark.parametrize(
+    ("options", "extra", "message"),
+    [
+        (LaunchOptions(nnodes=2, dry_run=True), [], "needs --master-addr"),
+        (
+            LaunchOptions(nnodes=2, node_rank=2, master_addr="h", dry_run=True),
+            [],
+            "must be smaller than --nnodes",
+        ),
+        (
+            LaunchOptions(nproc_per_node=6, dry_run=True),
+            ["parallel.ulysses_parallel_size=4"],
+            "does not divide the world size 6",
+        ),
+    ],
+)
+def test_launch_errors(machine_paths, options, extra, message):
+    with pytest.raises(UserError, match=message):
+        plan_launch(EIGHT_CARD, machine_paths["overrides"] + extra, options)
+
+
+def test_multi_node_needs_a_shared_output_dir(machine_paths):
+    overrides = [o for o in machine_paths["overrides"] if not o.startswith("training.output_dir")]
+    with pytest.raises(UserError, match="training.output_dir"):
+        plan_launch(EIGHT_CARD, overrides, LaunchOptions(nnodes=2, master_addr="h", dry_run=True))
+
+
+def test_missing_inputs_warn_in_a_dry_run_and_stop_a_real_launch(tmp_path):
+    overrides = [f"training.output_dir={tmp_path / 'run'}"]
+    plan = plan_launch(EIGHT_CARD, overrides, LaunchOptions(dry_run=True))
+    assert any("/path/to/Magistral-Small-2509" in w for w in plan.warnings)
+    with pytest.raises(UserError, match="does not exist"):
+        plan_launch(EIGHT_CARD, overrides, LaunchOptions(dry_run=False))
+
+
+def test_unknown_key_in_a_recipe_file_exits_2_and_names_the_key(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(EIGHT_CARD.read_text().replace("  lr: 1.0e-5", "  lrr: 1.0e-5"))
+    result = runner.invoke(app, ["train", str(recipe), "--dry-run"])
+    assert result.exit_code == 2
+    assert "unknown key training.lrr (did you mean training.lr?)" in result.output
+
+
+def test_npu_environment_defaults_and_user_precedence(machine_paths, monkeypatch):
+    monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "99")
+    plan = plan_launch(
+        EIGHT_CARD, [*machine_paths["overrides"], "parallel.device=npu"], LaunchOptions(dry_run=True)
+    )
+    assert plan.device == "npu"
+    assert plan.env_kept["HCCL_CONNECT_TIMEOUT"] == "99"
+    assert "HCCL_CONNECT_TIMEOUT" not in plan.env_added
+    for key in (
+        "PYTORCH_NPU_ALLOC_CONF",
+        "MULTI_STREAM_MEMORY_REUSE",
+        "TASK_QUEUE_ENABLE",
+        "CPU_AFFINITY_CONF",
+    ):
+        assert plan.env_added[key] == NPU_ENV[key]
+    assert any("no npu device" in w for w in plan.warnings)
+    assert "PYTORCH_NPU_ALLOC_CONF=expandable_segments:True" in plan.command_line
+
+
+def test_a_requested_device_that_is_absent_stops_a_real_launch(machine_paths):
+    with pytest.raises(UserError, match="no cuda device is visible"):
+        plan_launch(EIGHT_CARD, [*machine_paths["overrides"], "parallel.device=cuda"], LaunchOptions())
+
+
+def test_cpu_threads_are_split_between_ranks(machine_paths, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    plan = plan_launch(EIGHT_CARD, machine_paths["overrides"], LaunchOptions(nproc_per_node=2, dry_run=True))
+    assert plan.device == "cpu"
+    assert int(plan.env_added["OMP_NUM_THREADS"]) >= 1
+
+
+def test_merge_env_keeps_the_users_value():
+    added, kept = merge_env({"A": "1", "B": "2"}, {"B": "mine"})
+    assert added == {"A": "1"} and kept == {"B": "mine"}
+
+
+def test_credentials_are_never_recorded():
+    env = {
+        "HF_TOKEN": "hf_secret",
+        "NCCL_DEBUG": "INFO",
+        "HCCL_TOKEN_X": "s",
+        "PATH": "/bin",
+        "HF_ENDPOINT": "http://x",
+    }
+    assert relevant_environment(env) == {"HF_ENDPOINT": "http://x", "NCCL_DEBUG": "INFO"}
+
+
+@pytest.mark.slow
+def test_a_failing_rank_fails_the_command(tmp_path):
+    """A real torchrun launch whose ranks fail: the launcher returns their non-zero status."""
+    model = tmp_path / "model"
+    model.mkdir()  # no config.json and no weights: the engine cannot start
+    data = tmp_path / "llava.json"
+    data.write_text("[]")
+    overrides = [
+        f"data.dataset_param.preprocess_parameters.model_name_or_path={model}",
+        f"model.model_name_or_path={model}",
+        f"training.load={model}",
+        f"data.dataset_param.basic_parameters.dataset={data}",
+        f"data.dataset_param.basic_parameters.dataset_dir={tmp_path}",
+        f"data.dataset_param.basic_parameters.cache_dir={tmp_path / 'cache'}",
+        f"training.output_dir={tmp_path / 'run'}",
+    ]
+    plan = plan_launch(TINY, overrides, LaunchOptions(nproc_per_node=1))
+
+    class _Quiet:
+        def print(self, *args, **kwargs):
+            pass
+
+    code = run_launch(plan, _Quiet())
+    assert code != 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["exit_status"] == code
+    logs = list((tmp_path / "run" / "logs").rglob("*.log"))
+    assert logs, "torchrun wrote no per-rank log"
