@@ -35,7 +35,9 @@ def hub_endpoint() -> str | None:
 
 def hub_offline() -> bool:
     """``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) is set to a true value now."""
-    return any(os.environ.get(v, "").strip().lower() in _TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(
+        os.environ.get(v, "").strip().lower() in _TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def scrub_secrets(text: str) -> str:
@@ -133,7 +135,9 @@ def remote_hub_record(repo: str, revision: str, name: str) -> HubRecord:
 
     endpoint = hub_endpoint()
     try:
-        meta = get_hf_file_metadata(hf_hub_url(repo, name, revision=revision, endpoint=endpoint), endpoint=endpoint)
+        meta = get_hf_file_metadata(
+            hf_hub_url(repo, name, revision=revision, endpoint=endpoint), endpoint=endpoint
+        )
     except Exception as exc:
         raise _translate(exc, repo, revision, name) from None
     return HubRecord(commit_hash=meta.commit_hash, etag=meta.etag)

@@ -296,7 +296,9 @@ def fetch_assets(
     lock = lock if isinstance(lock, AssetLock) else load_lock(lock)
     model_dir = Path(model_dir).expanduser().resolve()
     if verify_only and not model_dir.is_dir():
-        raise UserError(f"--model-dir {model_dir} does not exist; run `magistral fetch --model-dir {model_dir}` first")
+        raise UserError(
+            f"--model-dir {model_dir} does not exist; run `magistral fetch --model-dir {model_dir}` first"
+        )
     if model_dir.exists() and not model_dir.is_dir():
         raise UserError(f"--model-dir {model_dir} is a file; pass a directory")
     if not verify_only:
@@ -343,7 +345,9 @@ def fetch_assets(
     return report
 
 
-def verify_model_dir(model_dir: str | Path, lock: AssetLock | str | Path | None = None, **kwargs) -> FetchReport:
+def verify_model_dir(
+    model_dir: str | Path, lock: AssetLock | str | Path | None = None, **kwargs
+) -> FetchReport:
     """``fetch_assets(..., verify_only=True)`` that raises on any failure: for other commands that
     want to know a model directory is intact before they use it."""
     report = fetch_assets(model_dir, lock, verify_only=True, **kwargs)

@@ -9,6 +9,7 @@ one file runs at the single-core speed of OpenSSL; several files scale with the 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -39,10 +40,8 @@ def sha256_file(
     total = 0
     with open(path, "rb", buffering=0) as f:
         if hasattr(os, "posix_fadvise"):
-            try:
+            with contextlib.suppress(OSError):
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            except OSError:
-                pass
         while True:
             n = f.readinto(buf)
             if not n:
@@ -83,9 +82,7 @@ def sha256_files(
         return {}
     n = workers or default_workers(len(items))
     if n == 1:
-        return {
-            p: sha256_file(p, block_size=block_size, on_bytes=on_bytes, cancel=cancel) for p in items
-        }
+        return {p: sha256_file(p, block_size=block_size, on_bytes=on_bytes, cancel=cancel) for p in items}
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix="sha256") as pool:
         futures = {
             p: pool.submit(sha256_file, p, block_size=block_size, on_bytes=on_bytes, cancel=cancel)

@@ -78,8 +78,6 @@ def _render(report) -> None:
             f.expected_from or "-",
         )
     console.print(table)
-    for f in report.failures:
-        console.print(f"[red]{f.name}[/]: {f.message or f.status}", soft_wrap=True)
     if report.ok:
         where = f"; manifest {report.manifest}" if report.manifest else ""
         console.print(

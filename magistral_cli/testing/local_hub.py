@@ -19,7 +19,9 @@ Run by hand: ``python -m magistral_cli.testing.local_hub ROOT [--port N]``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import json
 import re
 import socket
 import threading
@@ -111,7 +113,9 @@ class LocalHub:
 
     def ranges_seen(self, name: str) -> list[str]:
         """The Range headers of the GET requests for files named ``name``."""
-        return [r.range for r in self.requests if r.method == "GET" and r.path.endswith("/" + name) and r.range]
+        return [
+            r.range for r in self.requests if r.method == "GET" and r.path.endswith("/" + name) and r.range
+        ]
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -128,7 +132,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._serve(head=False)
 
     def _error(self, status: int, code: str, message: str, commit: str | None = None) -> None:
-        body = ('{"error": "%s"}' % message).encode()
+        body = json.dumps({"error": message}).encode()
         self.send_response(status)
         self.send_header("X-Error-Code", code)
         self.send_header("X-Error-Message", message)
@@ -144,7 +148,9 @@ class _Handler(BaseHTTPRequestHandler):
         hub = self.hub
         auth = self.headers.get("Authorization")
         url_path = self.path.split("?", 1)[0]
-        hub.requests.append(SeenRequest(self.command, unquote(url_path), self.headers.get("Range"), auth is not None))
+        hub.requests.append(
+            SeenRequest(self.command, unquote(url_path), self.headers.get("Range"), auth is not None)
+        )
         if hub.token is not None and auth != f"Bearer {hub.token}":
             return self._error(401, "RepoNotFound", "Repository not found or invalid credentials.")
         m = _RESOLVE.match(url_path)
@@ -203,10 +209,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
             # Drop the connection midway: the client sees a body shorter than Content-Length.
             self.close_connection = True
-            try:
+            with contextlib.suppress(OSError):
                 self.connection.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             return
         self.wfile.write(body)
 
@@ -239,19 +243,22 @@ def add_synthetic_model(hub: LocalHub, shard_sizes: tuple[int, ...] = (3_000_000
     repository, tokenizer files in the third-party one. Shard contents are random bytes (the hub
     does not care what they are); the default second shard is over 10 MiB so that a cut download
     has whole client chunks to resume from."""
-    import json
     import os
 
     official, third = SYNTHETIC_OFFICIAL, SYNTHETIC_THIRD_PARTY
     n = len(shard_sizes)
-    shards = {f"model-{i + 1:05d}-of-{n:05d}.safetensors": os.urandom(size) for i, size in enumerate(shard_sizes)}
+    shards = {
+        f"model-{i + 1:05d}-of-{n:05d}.safetensors": os.urandom(size) for i, size in enumerate(shard_sizes)
+    }
     index = {
         "metadata": {"total_size": sum(shard_sizes)},
         "weight_map": {f"layer.{i}.weight": name for i, name in enumerate(shards)},
     }
     files = {
         official: {
-            "config.json": json.dumps({"model_type": "mistral3", "vision_config": {"patch_size": 14}}).encode(),
+            "config.json": json.dumps(
+                {"model_type": "mistral3", "vision_config": {"patch_size": 14}}
+            ).encode(),
             "model.safetensors.index.json": json.dumps(index, indent=2).encode(),
             "tekken.json": json.dumps({"config": {"pattern": "synthetic"}, "vocab": ["a"] * 1000}).encode(),
         },

@@ -47,7 +47,9 @@ def test_several_files_in_parallel(tmp_path):
 def test_agrees_with_openssl(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(os.urandom(3 * 1024 * 1024 + 5))
-    out = subprocess.run(["openssl", "dgst", "-sha256", "-r", str(path)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["openssl", "dgst", "-sha256", "-r", str(path)], capture_output=True, text=True, check=True
+    )
     assert sha256_file(path)[0] == out.stdout.split()[0]
 
 

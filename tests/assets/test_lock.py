@@ -34,16 +34,36 @@ SEED_MANIFEST = {
         57944,
     ),
     "tekken.json": (*OFFICIAL, "05e051a32ae9d6333459da0083d36507116334fc85378321cfb32dfff7187531", 19399765),
-    "chat_template.jinja": (*UNSLOTH, "817cbd470e260e28e69015cc34b1abfb2a7ab76500839c743ed0fee3d1a32c9e", 4690),
-    "preprocessor_config.json": (*UNSLOTH, "e2281c57d4a9d3f5e43a1988a4b183792fa7172332ee33c7eba9583194b84cb4", 662),
-    "processor_config.json": (*UNSLOTH, "4ceef0d0cbf062ffd522d85fcbf5248c2db8659c589afcc47b2f26810e7d9a58", 189),
+    "chat_template.jinja": (
+        *UNSLOTH,
+        "817cbd470e260e28e69015cc34b1abfb2a7ab76500839c743ed0fee3d1a32c9e",
+        4690,
+    ),
+    "preprocessor_config.json": (
+        *UNSLOTH,
+        "e2281c57d4a9d3f5e43a1988a4b183792fa7172332ee33c7eba9583194b84cb4",
+        662,
+    ),
+    "processor_config.json": (
+        *UNSLOTH,
+        "4ceef0d0cbf062ffd522d85fcbf5248c2db8659c589afcc47b2f26810e7d9a58",
+        189,
+    ),
     "special_tokens_map.json": (
         *UNSLOTH,
         "1864ac9a603857f894d6cb47ac270f50685b05359128b8b9e59edf5ad56cdb49",
         21431,
     ),
-    "tokenizer.json": (*UNSLOTH, "158915c7c928301e0d32f1da363e45c294d907bd4c64a8e855f0bd1a47b9e870", 17078001),
-    "tokenizer_config.json": (*UNSLOTH, "bb0bbbbbe9fae009c439441a1c1a62c2759e930d97cf1a431a33d8ee81716881", 202929),
+    "tokenizer.json": (
+        *UNSLOTH,
+        "158915c7c928301e0d32f1da363e45c294d907bd4c64a8e855f0bd1a47b9e870",
+        17078001,
+    ),
+    "tokenizer_config.json": (
+        *UNSLOTH,
+        "bb0bbbbbe9fae009c439441a1c1a62c2759e930d97cf1a431a33d8ee81716881",
+        202929,
+    ),
 }
 
 
@@ -148,12 +168,25 @@ def test_shard_names_from_the_index_are_checked(tmp_path):
 def test_built_wheel_ships_the_lock(tmp_path):
     """An installed package finds its lock: the wheel must contain it (package data)."""
     src = tmp_path / "src"  # build from a copy: setuptools writes build/ and egg-info next to the sources
-    shutil.copytree(REPO / "magistral_cli", src / "magistral_cli", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        REPO / "magistral_cli", src / "magistral_cli", ignore=shutil.ignore_patterns("__pycache__")
+    )
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         if (REPO / name).is_file():
             shutil.copy(REPO / name, src / name)
     out = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(src)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(src),
+        ],
         capture_output=True,
         text=True,
     )
