@@ -81,20 +81,28 @@ def _tqdm_adapter(
     """
 
     class _Bar:
+        # The subset of tqdm's interface that huggingface_hub's HTTP and Xet downloads use.
         def __init__(self, *args, total=None, initial=0, **kwargs):
+            self.total = total
+            self.n = initial or 0
+            self.format_dict: dict = {}
             self._bar = make_bar(name, total, initial or 0) if make_bar else None
 
         def update(self, n=1):
             if cancel is not None and cancel.is_set():
                 raise KeyboardInterrupt
-            if self._bar is not None and n:
-                self._bar.update(int(n))
+            if n:
+                self.n += int(n)
+                if self._bar is not None:
+                    self._bar.update(int(n))
 
-        def update_transfer(self, n=1):  # called by the client next to update(); nothing more to show
+        def update_transfer(self, n=1):  # network bytes (Xet); the bar shows bytes written
             pass
 
-        def set_description(self, *args, **kwargs):
+        def set_postfix_str(self, *args, **kwargs):
             pass
+
+        set_transfer_postfix_str = set_postfix = set_description = set_description_str = set_postfix_str
 
         def refresh(self, *args, **kwargs):
             pass
