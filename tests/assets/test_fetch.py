@@ -207,3 +207,33 @@ def test_unknown_repository_is_a_user_error(tmp_path, hub, lock):
 def test_verify_only_needs_an_existing_directory(tmp_path, lock):
     with pytest.raises(UserError, match="does not exist"):
         fetch_assets(tmp_path / "absent", lock, verify_only=True)
+
+
+def test_interrupt_midway_leaves_no_partial_file_and_the_next_run_completes(tmp_path, hub, lock):
+    from magistral_cli.assets.fetch import FetchProgress
+
+    class InterruptOnShard(FetchProgress):
+        def download_bar(self, name, total, initial):
+            outer = self
+
+            class Bar:
+                def update(self, n):
+                    if name == SHARD2:
+                        outer.interrupted = True
+                        raise KeyboardInterrupt  # as Ctrl-C would, in the middle of the shard
+
+                def close(self):
+                    pass
+
+            return Bar()
+
+    model = tmp_path / "model"
+    progress = InterruptOnShard()
+    with pytest.raises(KeyboardInterrupt):
+        fetch_assets(model, lock, progress=progress)
+    assert progress.interrupted
+    assert not (model / SHARD2).exists()
+    assert not [p for p in model.rglob("*.incomplete")]
+    report = fetch_assets(model, lock)
+    assert report.ok
+    assert (model / SHARD2).read_bytes() == served(hub, REPO, REV, SHARD2)
