@@ -7,7 +7,7 @@ Writes N files of SIZE in a temporary folder, then times, on the same files:
   runs, with a lock holding the files' sums) on one file and on all files;
 * ``sha256sum`` on one file, for reference.
 
-Each figure is the best of ``--repeat`` runs. By default the files stay in the page cache (the
+The cases run interleaved for ``--repeat`` rounds; each figure is the best round's wall time,\nand the best CPU time (user + sys), which other load on the machine hardly changes. By default the files stay in the page cache (the
 hashing itself is measured); ``--cold`` evicts them before every run (posix_fadvise DONTNEED),
 so the disk is measured too. Prints MiB/s and the ratio ours / openssl.
 
@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -64,15 +65,28 @@ def evict(paths: list[Path]) -> None:
             os.close(fd)
 
 
-def best_of(repeat: int, paths: list[Path], cold: bool, fn) -> tuple[float, object]:
-    times, result = [], None
+def measure(cases: dict, paths_of: dict, repeat: int, cold: bool) -> dict[str, tuple[float, float]]:
+    """Run the cases interleaved (so a change in machine load hits all of them alike) ``repeat``
+    times; per case keep the best wall time and the best CPU time (user + sys of this process and
+    its children: other load hardly changes it, it shows the cost per byte)."""
+    best: dict[str, tuple[float, float]] = {}
     for _ in range(repeat):
-        if cold:
-            evict(paths)
-        t0 = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t0)
-    return min(times), result
+        for label, fn in cases.items():
+            if cold:
+                evict(paths_of[label])
+            r0, c0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+            t0 = time.perf_counter()
+            fn()
+            wall = time.perf_counter() - t0
+            r1, c1 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = sum(
+                getattr(after, f) - getattr(before, f)
+                for before, after in ((r0, r1), (c0, c1))
+                for f in ("ru_utime", "ru_stime")
+            )
+            w, c = best.get(label, (float("inf"), float("inf")))
+            best[label] = (min(w, wall), min(c, cpu))
+    return best
 
 
 def openssl(paths: list[Path]) -> dict[str, str]:
@@ -149,39 +163,39 @@ def main() -> None:
         print(f"cores usable: {cores}; cache: {'cold (evicted before each run)' if args.cold else 'warm'}")
 
         one = paths[:1]
-        t_ossl1, sums1 = best_of(args.repeat, one, args.cold, lambda: openssl(one))
-        t_ossl_all, sums = best_of(args.repeat, paths, args.cold, lambda: openssl(paths))
-        lock1, lock_all = write_lock(tmp, one, sums1), write_lock(tmp, paths, sums)
-        t_ours1, _ = best_of(args.repeat, one, args.cold, ours(tmp, lock1))
-        t_ours_all, _ = best_of(args.repeat, paths, args.cold, ours(tmp, lock_all))
-        t_sum1, sums_c = (
-            best_of(1, one, args.cold, lambda: sha256sum(one)) if shutil.which("sha256sum") else (None, None)
-        )
-        if sums_c is not None:
-            assert sums_c[one[0].name] == sums1[one[0].name], "sha256sum and openssl disagree"
-
-        def rate(nbytes, t):
-            return nbytes / MIB / t
-
-        rows = [
-            ("openssl dgst -sha256, 1 file", size, t_ossl1),
-            ("magistral verify, 1 file", size, t_ours1),
-            (f"openssl dgst -sha256, {args.files} files (sequential)", total, t_ossl_all),
-            (f"magistral verify, {args.files} files (parallel)", total, t_ours_all),
+        sums = openssl(paths)
+        lock1, lock_all = write_lock(tmp, one, sums), write_lock(tmp, paths, sums)
+        n = args.files
+        labels = [
+            "openssl dgst -sha256, 1 file",
+            "magistral verify, 1 file",
+            f"openssl dgst -sha256, {n} files (one after the other)",
+            f"magistral verify, {n} files (in parallel)",
         ]
-        if t_sum1 is not None:
-            rows.append(("sha256sum, 1 file", size, t_sum1))
+        runs = [lambda: openssl(one), ours(tmp, lock1), lambda: openssl(paths), ours(tmp, lock_all)]
+        cases = dict(zip(labels, runs, strict=True))
+        sizes = dict(zip(labels, [size, size, total, total], strict=True))
+        paths_of = dict(zip(labels, [one, one, paths, paths], strict=True))
+        if shutil.which("sha256sum"):
+            if sha256sum(one)[one[0].name] != sums[one[0].name]:
+                raise SystemExit("sha256sum and openssl disagree")
+            cases["sha256sum, 1 file"] = lambda: sha256sum(one)
+            sizes["sha256sum, 1 file"], paths_of["sha256sum, 1 file"] = size, one
+        best = measure(cases, paths_of, args.repeat, args.cold)
+
         print()
-        print(f"{'':52s} {'MiB':>8s} {'s':>8s} {'MiB/s':>8s}")
-        for label, nbytes, t in rows:
-            print(f"{label:52s} {nbytes / MIB:8.0f} {t:8.3f} {rate(nbytes, t):8.0f}")
+        head = f"best of {args.repeat} rounds"
+        print(f"{head:52s} {'MiB':>7s} {'wall s':>7s} {'MiB/s':>7s} {'MiB/cpu-s':>10s}")
+        for label, (wall, cpu) in best.items():
+            mib = sizes[label] / MIB
+            print(f"{label:52s} {mib:7.0f} {wall:7.3f} {mib / wall:7.0f} {mib / max(cpu, 1e-9):10.0f}")
+        (o1, o1_cpu), (m1, m1_cpu), (on, _), (mn, _) = (best[label] for label in labels)
         print()
-        print(f"ratio 1 file       magistral / openssl: {t_ossl1 / t_ours1:.2f}  (goal >= 0.90)")
-        print(
-            f"ratio {args.files} files      magistral / openssl: {t_ossl_all / t_ours_all:.2f}  (goal > 1 with several cores)"
-        )
-        if t_sum1 is not None:
-            print(f"ratio 1 file       sha256sum / openssl: {t_ossl1 / t_sum1:.2f}")
+        print(f"speed, 1 file:  magistral / openssl = {o1 / m1:.2f}  (goal >= 0.90)")
+        print(f"speed, {n} files: magistral / openssl = {on / mn:.2f}  (goal > 1 with {cores} cores)")
+        print(f"CPU cost per byte, 1 file: openssl / magistral = {o1_cpu / m1_cpu:.2f}")
+        if "sha256sum, 1 file" in best:
+            print(f"speed, 1 file:  sha256sum / openssl = {o1 / best['sha256sum, 1 file'][0]:.2f}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
