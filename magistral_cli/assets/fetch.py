@@ -190,7 +190,13 @@ class _Fetcher:
                     results[name].downloaded = True
                     hashes[name] = self._submit_hash(hash_pool, path)
                 for name, fut in hashes.items():
-                    sha, size = fut.result()
+                    try:
+                        sha, size = fut.result()
+                    except OSError as exc:  # unreadable file: report it, check the others
+                        res = results[name]
+                        res.status, res.message = "error", f"could not read {self.dir / name}: {exc}"
+                        res.error = CheckFailed(res.message)
+                        continue
                     self._judge(by_name[name], results[name], sha, size)
             except BaseException:
                 # Ctrl-C or a bug: stop the download and hashing threads at their next chunk.

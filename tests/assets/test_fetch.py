@@ -237,3 +237,16 @@ def test_interrupt_midway_leaves_no_partial_file_and_the_next_run_completes(tmp_
     report = fetch_assets(model, lock)
     assert report.ok
     assert (model / SHARD2).read_bytes() == served(hub, REPO, REV, SHARD2)
+
+
+def test_unreadable_file_is_reported_not_a_crash(tmp_path, hub, lock):
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root reads files whatever their mode")
+    model = tmp_path / "model"
+    assert fetch_assets(model, lock, weights=False).ok
+    (model / "tekken.json").chmod(0)
+    report = fetch_assets(model, lock, weights=False, verify_only=True)
+    (bad,) = report.failures
+    assert bad.name == "tekken.json" and "could not read" in bad.message
