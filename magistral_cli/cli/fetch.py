@@ -65,24 +65,25 @@ def _render(report) -> None:
     from rich.table import Table
 
     table = Table(title=f"{report.model_dir}", title_justify="left", show_edge=False)
-    for col in ("file", "status", "size", "sha256", "checked against"):
-        table.add_column(col)
+    table.add_column("file", overflow="fold", ratio=1)
+    for col in ("status", "size", "sha256", "against"):
+        table.add_column(col, no_wrap=True)
     style = {"ok": "green", "recorded": "cyan"}
     for f in report.files:
-        st = f.status + (" (downloaded)" if f.downloaded else "")
         table.add_row(
             f.name,
-            f"[{style.get(f.status, 'red')}]{st}[/]",
+            f"[{style.get(f.status, 'red')}]{f.status}[/]",
             _fmt_bytes(f.bytes),
-            (f.sha256 or "-")[:16],
+            (f.sha256 or "-")[:10],
             f.expected_from or "-",
         )
     console.print(table)
     if report.ok:
         where = f"; manifest {report.manifest}" if report.manifest else ""
+        n_new = sum(f.downloaded for f in report.files)
         console.print(
-            f"[green]all {len(report.files)} files verified[/] "
-            f"({_fmt_bytes(report.hashed_bytes)} hashed in {report.wall_s:.1f} s{where})"
+            f"[green]all {len(report.files)} files verified[/] ({n_new} downloaded, "
+            f"{_fmt_bytes(report.hashed_bytes)} hashed in {report.wall_s:.1f} s{where})"
         )
 
 

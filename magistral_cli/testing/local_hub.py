@@ -215,23 +215,6 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-def main() -> None:  # pragma: no cover - manual use
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("root", type=Path, help="folder laid out as ROOT/owner/name/revision/files")
-    parser.add_argument("--port", type=int, default=8765)
-    args = parser.parse_args()
-    hub = LocalHub(args.root, port=args.port).start()
-    print(f"serving {args.root} at {hub.endpoint}; export HF_ENDPOINT={hub.endpoint}", flush=True)
-    try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        hub.stop()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()
-
-
 #: Repositories of the synthetic model ``add_synthetic_model`` serves (revisions are full commit hashes).
 SYNTHETIC_OFFICIAL = ("synthetic-org/Tiny-Magistral", hashlib.sha1(b"official").hexdigest())
 SYNTHETIC_THIRD_PARTY = ("synthetic-tok/Tiny-Magistral", hashlib.sha1(b"unsloth").hexdigest())
@@ -296,3 +279,30 @@ def add_synthetic_model(hub: LocalHub, shard_sizes: tuple[int, ...] = (3_000_000
             "note": "synthetic",
         },
     }
+
+
+def main() -> None:  # pragma: no cover - manual use
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("root", type=Path, help="folder laid out as ROOT/owner/name/revision/files")
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="first put a small synthetic model into ROOT and write its lock to ROOT/lock.json",
+    )
+    args = parser.parse_args()
+    hub = LocalHub(args.root, port=args.port)
+    if args.synthetic:
+        lock = args.root / "lock.json"
+        lock.write_text(json.dumps(add_synthetic_model(hub), indent=2) + "\n")
+        print(f"wrote a synthetic model under {args.root} and its lock {lock}", flush=True)
+    hub.start()
+    print(f"serving {args.root} at {hub.endpoint}; export HF_ENDPOINT={hub.endpoint}", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        hub.stop()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
