@@ -165,8 +165,20 @@ def test_shard_names_from_the_index_are_checked(tmp_path):
         spec.shard_files(index)
 
 
+def test_package_data_declares_the_lock():
+    """pyproject.toml's package data covers the lock (checked without building anything)."""
+    import fnmatch
+
+    tomllib = pytest.importorskip("tomllib", reason="Python >= 3.11 reads TOML")
+
+    globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    rel = default_lock_path().relative_to(REPO / "magistral_cli").as_posix()
+    assert any(fnmatch.fnmatch(rel, g) for g in globs["magistral_cli"]), globs
+
+
 def test_built_wheel_ships_the_lock(tmp_path):
     """An installed package finds its lock: the wheel must contain it (package data)."""
+    pytest.importorskip("setuptools", reason="building a wheel offline needs setuptools installed")
     src = tmp_path / "src"  # build from a copy: setuptools writes build/ and egg-info next to the sources
     shutil.copytree(
         REPO / "magistral_cli", src / "magistral_cli", ignore=shutil.ignore_patterns("__pycache__")
