@@ -1,0 +1,252 @@
+"""fetch_assets against a local Hub on 127.0.0.1 with the real huggingface_hub client."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from magistral_cli.assets.fetch import QUARANTINE_DIR, fetch_assets, verify_model_dir
+from magistral_cli.assets.manifest import MANIFEST_NAME, read_manifest
+from magistral_cli.errors import CheckFailed, UserError
+from magistral_cli.testing.local_hub import (
+    SYNTHETIC_OFFICIAL,
+    SYNTHETIC_THIRD_PARTY,
+    LocalHub,
+    add_synthetic_model,
+)
+
+REPO, REV = SYNTHETIC_OFFICIAL
+SHARD1 = "model-00001-of-00002.safetensors"
+SHARD2 = "model-00002-of-00002.safetensors"
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    with LocalHub(tmp_path / "hub") as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+        yield server
+
+
+@pytest.fixture
+def lock(tmp_path, hub):
+    path = tmp_path / "lock.json"
+    path.write_text(json.dumps(add_synthetic_model(hub)))
+    return path
+
+
+def served(hub, repo, rev, name) -> bytes:
+    return (hub.root / repo / rev / name).read_bytes()
+
+
+def resolve_gets(hub):
+    return [r for r in hub.requests if r.method == "GET" and "/resolve/" in r.path]
+
+
+def test_full_fetch_writes_a_manifest_that_matches(tmp_path, hub, lock):
+    model = tmp_path / "model"
+    report = fetch_assets(model, lock)
+    assert report.ok, report.to_json()
+    names = [f.name for f in report.files]
+    assert names == ["config.json", "model.safetensors.index.json", "tekken.json", SHARD1, SHARD2]
+    assert all(f.downloaded for f in report.files)
+    by_name = {f.name: f for f in report.files}
+    assert by_name["config.json"].expected_from == "lock"
+    # First download of a shard: checked against the SHA-256 the Hub serves as its ETag.
+    assert by_name[SHARD1].expected_from == "hub" and by_name[SHARD1].status == "ok"
+
+    manifest = json.loads((model / MANIFEST_NAME).read_text())
+    assert manifest["format"] == 1
+    assert {e["name"] for e in manifest["files"]} == set(names)
+    for entry in manifest["files"]:
+        data = (model / entry["name"]).read_bytes()
+        assert data == served(hub, REPO, REV, entry["name"])
+        assert entry["sha256"] == hashlib.sha256(data).hexdigest()
+        assert entry["bytes"] == len(data)
+        assert (entry["repo"], entry["revision"]) == (REPO, REV)
+        assert entry["verified_at"].endswith("Z")
+    # The third-party tokenizer files are not fetched with the official tokenizer source.
+    assert not (model / "tokenizer.json").exists()
+
+    # A second run downloads nothing and checks the shards against the recorded sums.
+    n_gets = len(resolve_gets(hub))
+    again = fetch_assets(model, lock)
+    assert again.ok and not any(f.downloaded for f in again.files)
+    assert len(resolve_gets(hub)) == n_gets
+    assert {f.expected_from for f in again.files if f.name.startswith("model-")} == {"manifest"}
+
+
+def test_unsloth_source_adds_the_third_party_files_and_no_weights_skips_shards(tmp_path, hub, lock):
+    model = tmp_path / "model"
+    report = fetch_assets(model, lock, weights=False, tokenizer_source="unsloth")
+    assert report.ok
+    assert {f.name for f in report.files} == {
+        "config.json",
+        "model.safetensors.index.json",
+        "tekken.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
+    repo3, rev3 = SYNTHETIC_THIRD_PARTY
+    assert (model / "tokenizer.json").read_bytes() == served(hub, repo3, rev3, "tokenizer.json")
+    assert not (model / SHARD1).exists()
+
+
+def test_corrupted_local_file_is_moved_aside_and_fetched_again(tmp_path, hub, lock):
+    model = tmp_path / "model"
+    assert fetch_assets(model, lock).ok
+    good = (model / SHARD1).read_bytes()
+    (model / SHARD1).write_bytes(b"\0" + good[1:])  # same size, different content
+
+    report = fetch_assets(model, lock)
+    assert not report.ok
+    (bad,) = report.failures
+    actual = hashlib.sha256(b"\0" + good[1:]).hexdigest()
+    expected = hashlib.sha256(good).hexdigest()
+    assert (bad.name, bad.status, bad.expected_from) == (SHARD1, "mismatch", "manifest")
+    assert (bad.sha256, bad.expected_sha256) == (actual, expected)
+    assert expected in bad.message and actual in bad.message
+    assert not (model / SHARD1).exists()
+    quarantined = list((model / QUARANTINE_DIR).glob(f"{SHARD1}.*"))
+    assert [p.read_bytes()[:1] for p in quarantined] == [b"\0"]
+    with pytest.raises(CheckFailed, match=SHARD1):
+        report.raise_for_failures()
+    # The recorded sum survives, so the fresh download is checked against it.
+    assert read_manifest(model)[SHARD1].sha256 == expected
+
+    again = fetch_assets(model, lock)
+    assert again.ok
+    assert (model / SHARD1).read_bytes() == good
+
+
+def test_corrupt_download_fails_against_lock_and_hub_sums(tmp_path, hub, lock):
+    hub.corrupt |= {f"{REPO}/{REV}/tekken.json", f"{REPO}/{REV}/{SHARD2}"}
+    model = tmp_path / "model"
+    report = fetch_assets(model, lock)
+    failures = {f.name: f for f in report.failures}
+    assert set(failures) == {"tekken.json", SHARD2}
+    assert failures["tekken.json"].expected_from == "lock"
+    assert failures[SHARD2].expected_from == "hub"
+    for f in failures.values():
+        assert f.quarantined_to and not (model / f.name).exists()
+    # Nothing that failed is in the manifest as verified.
+    assert set(read_manifest(model)) == {"config.json", "model.safetensors.index.json", SHARD1}
+
+
+def test_interrupted_download_resumes_with_a_range_request(tmp_path, hub, lock):
+    hub.cut_once.add(f"{REPO}/{REV}/{SHARD2}")
+    model = tmp_path / "model"
+    report = fetch_assets(model, lock)
+    assert report.ok, report.to_json()
+    ranges = hub.ranges_seen(SHARD2)
+    assert len(ranges) == 1 and ranges[0].startswith("bytes=") and ranges[0] != "bytes=0-"
+    assert (model / SHARD2).read_bytes() == served(hub, REPO, REV, SHARD2)
+
+
+def test_verify_only_is_offline_and_detects_tampering(tmp_path, hub, lock):
+    model = tmp_path / "model"
+    assert fetch_assets(model, lock).ok
+    hub.stop()  # no network from here on: a request would fail to connect
+
+    report = verify_model_dir(model, lock)
+    assert report.ok and not any(f.downloaded for f in report.files)
+
+    with open(model / "config.json", "ab") as f:
+        f.write(b" ")
+    report = fetch_assets(model, lock, verify_only=True)
+    (bad,) = report.failures
+    assert bad.name == "config.json" and bad.status == "mismatch"
+    assert "bytes" in bad.message  # the size differs too
+    assert not (model / "config.json").exists()
+    report = fetch_assets(model, lock, verify_only=True)
+    (missing,) = report.failures
+    assert (missing.name, missing.status) == ("config.json", "missing")
+
+
+def test_verify_only_without_a_recorded_shard_sum_fails(tmp_path, hub, lock):
+    model = tmp_path / "model"
+    assert fetch_assets(model, lock).ok
+    (model / MANIFEST_NAME).unlink()
+    hub.stop()
+    report = fetch_assets(model, lock, verify_only=True)
+    # Files with a sum in the lock still verify; shards have nothing to be checked against, except the
+    # Hub record huggingface_hub kept for them next to the download.
+    statuses = {f.name: (f.status, f.expected_from) for f in report.files}
+    assert statuses["config.json"] == ("ok", "lock")
+    assert statuses[SHARD1] == ("ok", "hub")
+    (model / ".cache").rename(tmp_path / "hf-metadata-moved")
+    report = fetch_assets(model, lock, verify_only=True)
+    statuses = {f.name: f.status for f in report.files}
+    assert statuses[SHARD1] == statuses[SHARD2] == "unverified"
+    assert not report.ok
+
+
+def test_offline_env_refuses_to_download(tmp_path, hub, lock, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    report = fetch_assets(tmp_path / "model", lock, weights=False)
+    assert {f.status for f in report.files} == {"missing"}
+    assert not resolve_gets(hub)
+
+
+def test_unknown_repository_is_a_user_error(tmp_path, hub, lock):
+    data = json.loads(lock.read_text())
+    data["files"][0]["repo"] = "nobody/nothing"
+    data["files"] = data["files"][:1]
+    data.pop("weights")
+    lock.write_text(json.dumps(data))
+    report = fetch_assets(tmp_path / "model", lock)
+    (bad,) = report.failures
+    assert bad.status == "error" and "not found" in bad.message
+    with pytest.raises(UserError):
+        report.raise_for_failures()
+
+
+def test_verify_only_needs_an_existing_directory(tmp_path, lock):
+    with pytest.raises(UserError, match="does not exist"):
+        fetch_assets(tmp_path / "absent", lock, verify_only=True)
+
+
+def test_interrupt_midway_leaves_no_partial_file_and_the_next_run_completes(tmp_path, hub, lock):
+    from magistral_cli.assets.fetch import FetchProgress
+
+    class InterruptOnShard(FetchProgress):
+        def download_bar(self, name, total, initial):
+            outer = self
+
+            class Bar:
+                def update(self, n):
+                    if name == SHARD2:
+                        outer.interrupted = True
+                        raise KeyboardInterrupt  # as Ctrl-C would, in the middle of the shard
+
+                def close(self):
+                    pass
+
+            return Bar()
+
+    model = tmp_path / "model"
+    progress = InterruptOnShard()
+    with pytest.raises(KeyboardInterrupt):
+        fetch_assets(model, lock, progress=progress)
+    assert progress.interrupted
+    assert not (model / SHARD2).exists()
+    assert not [p for p in model.rglob("*.incomplete")]
+    report = fetch_assets(model, lock)
+    assert report.ok
+    assert (model / SHARD2).read_bytes() == served(hub, REPO, REV, SHARD2)
+
+
+def test_unreadable_file_is_reported_not_a_crash(tmp_path, hub, lock):
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root reads files whatever their mode")
+    model = tmp_path / "model"
+    assert fetch_assets(model, lock, weights=False).ok
+    (model / "tekken.json").chmod(0)
+    report = fetch_assets(model, lock, weights=False, verify_only=True)
+    (bad,) = report.failures
+    assert bad.name == "tekken.json" and "could not read" in bad.message
