@@ -75,6 +75,7 @@ class MetricsFile:
 
 
 def write_summary(path: Path, *, steps: int, wall_s: float, exit_status: int, **extra: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(
         json.dumps(

@@ -41,6 +41,14 @@ def resolve_device_type(requested: str) -> str:
     return detect_device()[0]
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def init_distributed(device_type: str) -> tuple[torch.device, bool]:
     """Join torchrun's process group (or reuse one already set up); return (device, created_here)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -56,12 +64,19 @@ def init_distributed(device_type: str) -> tuple[torch.device, bool]:
         device = torch.device("cpu")
     if dist.is_initialized():
         return device, False
+    backend = BACKENDS[device_type]
+    device_id = device if device_type != "cpu" else None
     if "RANK" not in os.environ:
-        # Run without torchrun: a one-process group, so the same code path serves both.
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29511")
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group(backend=BACKENDS[device_type], device_id=device if device_type != "cpu" else None)
+        # Run without torchrun (tests, notebooks): a one-process group on a free local port.
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://127.0.0.1:{_free_port()}",
+            rank=0,
+            world_size=1,
+            device_id=device_id,
+        )
+    else:
+        dist.init_process_group(backend=backend, device_id=device_id)
     return device, True
 
 

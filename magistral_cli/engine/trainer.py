@@ -298,11 +298,13 @@ class Trainer:
             self._data_iter = iter(self.data)
             return next(self._data_iter)
 
-    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
-        """One optimizer step over this rank's micro-batches; returns device tensors (no host sync).
+    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Forward and backward over this rank's micro-batches; gradients end up reduce-scattered.
 
         The loss is normalised over the non-ignored targets of the *global* batch (all micro-batches
-        of all data-parallel ranks), so the update does not depend on how the batch is split.
+        of all data-parallel ranks), so the gradient does not depend on how the batch is split.
+        Returns device tensors: ``loss_sum`` (this rank's summed token losses) and ``counts``
+        (global targets, global non-padding tokens). Nothing here waits for the device.
         """
         local = torch.zeros(2, dtype=torch.int64)
         for mb in micro_batches:
@@ -324,7 +326,10 @@ class Trainer:
             loss = self.model(**_to_device(mb, self.device))
             (loss * scale).backward()
             loss_sum += loss.detach()
+        return {"loss_sum": loss_sum, "counts": counts}
 
+    def optimizer_step(self) -> tuple[torch.Tensor, float]:
+        """Clip (the norm is computed either way), step AdamW at this step's learning rate, zero grads."""
         lr = lr_at(self.step + 1, self.recipe.training)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -332,7 +337,13 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return {"loss_sum": loss_sum, "counts": counts, "grad_norm": grad_norm, "lr": lr}
+        return grad_norm, lr
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+        """One optimizer step; returns device tensors and the lr (no host synchronisation)."""
+        out = self.forward_backward(micro_batches)
+        out["grad_norm"], out["lr"] = self.optimizer_step()
+        return out
 
     def _record(self, out: dict[str, torch.Tensor], step_time_s: float) -> dict[str, Any]:
         loss_sum = out["loss_sum"].clone()
