@@ -417,5 +417,7 @@ class Trainer:
                 wall_s=time.monotonic() - self.started,
                 exit_status=exit_status,
             )
+        if self.recipe.training.manual_gc_interval:
+            gc.enable()
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -215,3 +215,37 @@ def test_loads_fsdp2_and_megatron_dcp_layouts(tiny, tmp_path):
             _assert_close(full_params(trainer.model), expected, rtol=0, atol=0)
         finally:
             trainer.close()
+
+
+def test_profile_manual_gc_and_determinism(tiny, tmp_path):
+    import gc
+
+    model_dir, _ = tiny
+    recipe = make_recipe(
+        model_dir,
+        tmp_path / "run",
+        [
+            "tools.profile.enable=true",
+            "tools.profile.static_param.start_step=2",
+            "tools.profile.static_param.end_step=3",
+            "tools.memory_profile.enable=true",
+        ],
+        train_iters=3,
+        manual_gc_interval=2,
+        use_deter_comp=True,
+    )
+    losses, _, _ = _run(make_recipe(model_dir, tmp_path / "plain", train_iters=3))
+    trainer = Trainer(recipe)
+    try:
+        assert not gc.isenabled()  # manual_gc_interval: collection only every N steps
+        assert torch.are_deterministic_algorithms_enabled()
+        records = trainer.train()
+    finally:
+        trainer.close()
+        torch.use_deterministic_algorithms(False)
+    assert gc.isenabled()
+    assert [r["loss"] for r in records] == pytest.approx(losses, rel=1e-6)
+    trace = tmp_path / "run" / "profiling" / "rank0_steps2-2.json"
+    assert trace.is_file()
+    assert json.loads(trace.read_text())["traceEvents"]
+    assert not (tmp_path / "run" / "memory_snapshot").exists()  # needs a CUDA / NPU allocator
