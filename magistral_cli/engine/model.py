@@ -45,7 +45,7 @@ def install_loss_head(model: nn.Module, module_name: str, chunk_size: int | None
     """Turn the output projection ``module_name`` into a ``LossHead`` (same parameters, same keys)."""
     modules = dict(model.named_modules())
     head = modules.get(module_name)
-    if not isinstance(head, nn.Linear):
+    if module_name != "lm_head" or not isinstance(head, nn.Linear):
         raise UserError(
             f"features.chunkloss_plan.apply_module {module_name!r} is not a Linear module of the model; "
             "use 'lm_head'"
@@ -67,8 +67,18 @@ class Mistral3ForTraining(Mistral3ForConditionalGeneration):
         pixel_values: torch.Tensor | None = None,
         image_sizes: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        inputs_embeds = None
+        if pixel_values is None:
+            # Every rank must run the same FSDP units in the same order, or the all-gathers
+            # deadlock when only some ranks' micro-batches hold images. A text-only micro-batch
+            # runs the vision tower on one blank image where an image batch would (after the
+            # token embedding, before the decoder) and adds 0 x its output.
+            inputs_embeds = self.model.get_input_embeddings()(input_ids)
+            blank = self._blank_image_features(inputs_embeds)
+            inputs_embeds = inputs_embeds + 0.0 * blank.to(inputs_embeds.dtype)
         outputs = self.model(
-            input_ids=input_ids,
+            input_ids=input_ids if inputs_embeds is None else None,
+            inputs_embeds=inputs_embeds,
             pixel_values=pixel_values,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -77,13 +87,7 @@ class Mistral3ForTraining(Mistral3ForConditionalGeneration):
         )
         hidden = outputs.last_hidden_state
         # Position i predicts token i + 1: labels arrive aligned with input_ids, unshifted.
-        loss = self.lm_head(hidden[:, :-1], labels[:, 1:])
-        if pixel_values is None:
-            # Every rank must run the same FSDP units in the same order, or the all-gathers of
-            # the vision tower deadlock when only some ranks' micro-batches hold images. A
-            # text-only micro-batch runs the tower on one blank image and adds 0 x its output.
-            loss = loss + 0.0 * self._blank_image_features(hidden)
-        return loss
+        return self.lm_head(hidden[:, :-1], labels[:, 1:])
 
     def _blank_image_features(self, like: torch.Tensor) -> torch.Tensor:
         # Two image tokens, not one: transformers squeezes a single-token image batch to 1D.

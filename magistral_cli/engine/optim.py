@@ -13,8 +13,10 @@ from magistral_cli.config.schema import Training
 
 
 def fused_available(device_type: str) -> bool:
-    """Whether torch has a fused AdamW kernel for ``device_type``."""
-    return device_type in ("cuda", "cpu", "npu")
+    """Whether torch has a fused AdamW kernel for ``device_type`` (npu registers as privateuse1)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return device_type in _get_fused_kernels_supported_devices()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -65,7 +65,8 @@ def init_distributed(device_type: str) -> tuple[torch.device, bool]:
     if dist.is_initialized():
         return device, False
     backend = BACKENDS[device_type]
-    device_id = device if device_type != "cpu" else None
+    # Eager communicator creation is a NCCL feature; gloo and hccl connect lazily.
+    device_id = device if device_type == "cuda" else None
     if "RANK" not in os.environ:
         # Run without torchrun (tests, notebooks): a one-process group on a free local port.
         dist.init_process_group(
@@ -104,6 +105,16 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         return init_device_mesh(device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
+
+    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The 1D mesh FSDP shards over: every rank (dp x cp), as the seed does.
+
+        It must be 1D: given a 2D mesh, fully_shard means HSDP (replicate over the first
+        dimension, shard over the second), which would replicate the model over dp.
+        """
+        if self.cp == 1:
+            return mesh["dp"]
+        return mesh["dp", "cp"]._flatten("dp_cp")
 
 
 def apply_freeze(model: nn.Module, patterns: list[str]) -> list[str]:

@@ -181,7 +181,7 @@ class Trainer:
 
             enable_triton_split_copy()
         with output_capture_survives_wrapping(model):
-            units = apply_fsdp(model, self.mesh, plan)
+            units = apply_fsdp(model, self.dims.fsdp_mesh(self.mesh), plan)
         apply_prefetch(model, plan)
         log.info("FSDP2 over %d ranks: %d units + root; frozen: %s", self.dims.dp, len(units), self.frozen)
         # 5. Materialize: sharded storage on the device (loading fills it in _load_initial_state).

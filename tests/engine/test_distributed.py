@@ -61,6 +61,13 @@ def test_two_processes_checkpoint_kill_and_exact_resume(tmp_path):
     whole_losses = _losses(whole)
     assert len(whole_losses) == STEPS
     assert (whole / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS}"
+    # Sharded, not replicated: each rank wrote its own half of every 2D weight.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(whole / "checkpoints" / f"step_{STEPS}")).read_metadata().state_dict_metadata
+    for key in ("model.lm_head.weight", "model.model.language_model.layers.0.mlp.up_proj.weight"):
+        assert [c.offsets[0] for c in meta[key].chunks] == [0, meta[key].size[0] // 2], key
+    assert "optimizer.state.lm_head.weight.exp_avg" in meta
 
     # 1 process, the same global batches.
     single = Trainer(make_recipe(model_dir, tmp_path / "single", micro_batch_size=2, train_iters=STEPS))
