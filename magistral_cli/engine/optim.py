@@ -168,17 +168,40 @@ def lr_at(step: int, training: Training) -> float:
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Total L2 norm of the gradients over all shards (a device scalar); clip to ``max_norm`` when > 0."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(norm, DTensor):
-        # Partial sums of squares over the shards: full_tensor() all-reduces them.
-        norm = norm.full_tensor()
-    if max_norm > 0:
-        # The same coefficient as torch.nn.utils.clip_grads_with_norm_, applied to the local shards.
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_([_local(g) for g in grads], coef.to(_local(grads[0]).device))
-    return norm
+def grad_norm_and_sums(
+    params: list[torch.Tensor], extra: torch.Tensor, group=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(global L2 norm of the gradients, ``extra`` summed over ``group``), in one all-reduce.
+
+    FSDP2 shards every parameter (``Shard`` placements over the data-parallel group), so the sum
+    over ranks of the squared local shards is the squared global norm. Working on the local
+    shards avoids DTensor dispatch per parameter, and folding ``extra`` (the step's loss sum)
+    into the same all-reduce saves a collective per step.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    grads = []
+    for p in params:
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor) and not all(isinstance(pl, Shard) for pl in p.grad.placements):
+            raise ValueError(f"gradient with placements {p.grad.placements}: expected FSDP2 shards")
+        grads.append(_local(p.grad))
+    device = extra.device
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    if grads:
+        norms = torch._foreach_norm(grads, 2.0)
+        squares = torch.stack([n.to(torch.float32) for n in norms]).square().sum().to(device)
+    buffer = torch.stack([squares, extra.to(torch.float32)])
+    if dist.is_initialized():
+        dist.all_reduce(buffer, group=group)
+    return buffer[0].sqrt(), buffer[1]
+
+
+def clip_grads_(params: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale the gradients so that their global norm is at most ``max_norm`` (torch's coefficient)."""
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    if max_norm > 0 and grads:
+        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].device))

@@ -162,11 +162,14 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: FSDPPlan) -> list[tuple
     """
     policy = mixed_precision(plan)
     units = select_modules(model, plan.apply_modules, what="parallel.fsdp_plan.apply_modules pattern")
-    kwargs = {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": plan.reshard_after_forward}
+    kwargs = {"mesh": mesh, "mp_policy": policy}
     for _, module in units:
-        fully_shard(module, **kwargs)
-    # The root: its parameters (if any remain) and the lazy-init / final-callback owner.
-    fully_shard(model, **kwargs)
+        fully_shard(module, reshard_after_forward=plan.reshard_after_forward, **kwargs)
+    # The root last: it owns what no unit took, lazy init and the backward's final callback.
+    # Unless resharding is off everywhere, let FSDP keep the root gathered after the forward
+    # (its heuristic for None): the backward needs the root's parameters (the output head)
+    # first, so freeing them would only buy an immediate second all-gather.
+    fully_shard(model, reshard_after_forward=None if plan.reshard_after_forward else False, **kwargs)
     return units
 
 

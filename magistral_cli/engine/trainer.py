@@ -34,7 +34,7 @@ from .model import (
     materialize,
     output_capture_survives_wrapping,
 )
-from .optim import build_optimizer, clip_grad_norm, lr_at
+from .optim import build_optimizer, clip_grads_, grad_norm_and_sums, lr_at
 from .parallelize import (
     DTYPES,
     ParallelDims,
@@ -313,10 +313,10 @@ class Trainer:
             local[0] += (mb["labels"][:, 1:] != -100).sum()
             local[1] += mb["attention_mask"].sum()
         counts = local.to(self.device)
-        dist.all_reduce(counts, group=self.dp_group)
-        # FSDP averages gradients over the dp ranks; multiplying by dp undoes that average, so the
-        # result is sum(token losses) / global targets.
-        scale = self.dims.dp / counts[0].clamp(min=1).to(torch.float32)
+        # The global counts are needed only by the first backward: overlap the all-reduce with
+        # the first forward.
+        pending = dist.all_reduce(counts, group=self.dp_group, async_op=True)
+        scale = None
 
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         last = len(micro_batches) - 1
@@ -324,34 +324,44 @@ class Trainer:
             # Gradient accumulation without communication: reduce-scatter on the last micro-batch only.
             self.model.set_requires_gradient_sync(i == last)
             loss = self.model(**_to_device(mb, self.device))
+            if scale is None:
+                pending.wait()
+                # FSDP averages gradients over the dp ranks; multiplying by dp undoes that
+                # average, so the result is sum(token losses) / global targets.
+                scale = self.dims.dp / counts[0].clamp(min=1).to(torch.float32)
             (loss * scale).backward()
             loss_sum += loss.detach()
         return {"loss_sum": loss_sum, "counts": counts}
 
-    def optimizer_step(self) -> tuple[torch.Tensor, float]:
-        """Clip (the norm is computed either way), step AdamW at this step's learning rate, zero grads."""
+    def optimizer_step(self, loss_sum: torch.Tensor | None = None) -> dict[str, Any]:
+        """Gradient norm (always) and clipping, AdamW at this step's learning rate, zero grads.
+
+        Returns device tensors: ``grad_norm`` and ``loss_sum`` summed over the dp ranks (the
+        two travel in one all-reduce), and the ``lr`` used.
+        """
         lr = lr_at(self.step + 1, self.recipe.training)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        grad_norm = clip_grad_norm(self.trainable, self.recipe.training.clip_grad)
+        if loss_sum is None:
+            loss_sum = torch.zeros((), device=self.device)
+        grad_norm, global_loss_sum = grad_norm_and_sums(self.trainable, loss_sum, group=self.dp_group)
+        clip_grads_(self.trainable, self.recipe.training.clip_grad, grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return grad_norm, lr
+        return {"grad_norm": grad_norm, "global_loss_sum": global_loss_sum, "lr": lr}
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
         """One optimizer step; returns device tensors and the lr (no host synchronisation)."""
         out = self.forward_backward(micro_batches)
-        out["grad_norm"], out["lr"] = self.optimizer_step()
+        out.update(self.optimizer_step(out["loss_sum"]))
         return out
 
     def _record(self, out: dict[str, torch.Tensor], step_time_s: float) -> dict[str, Any]:
-        loss_sum = out["loss_sum"].clone()
-        dist.all_reduce(loss_sum, group=self.dp_group)
         targets, tokens = (int(v) for v in out["counts"].tolist())
         record = {
             "step": self.step,
-            "loss": loss_sum.item() / max(targets, 1),
+            "loss": out["global_loss_sum"].item() / max(targets, 1),
             "grad_norm": float(out["grad_norm"]),
             "lr": float(out["lr"]),
             "step_time_ms": round(step_time_s * 1000, 2),
