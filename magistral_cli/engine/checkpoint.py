@@ -43,7 +43,13 @@ def pack(obj: Any) -> torch.Tensor:
 
 
 def unpack(tensor: torch.Tensor) -> Any:
-    return torch.load(io.BytesIO(tensor.cpu().numpy().tobytes()), weights_only=True)
+    try:
+        return torch.load(io.BytesIO(tensor.cpu().numpy().tobytes()), weights_only=True)
+    except Exception as exc:  # an object weights_only refuses: say what, not a pickle traceback
+        raise ValueError(
+            f"a checkpoint entry holds an object torch.load(weights_only=True) refuses ({exc}); "
+            "state saved in checkpoints must be tensors, numbers, strings and containers of them"
+        ) from None
 
 
 def step_dir_name(step: int) -> str:

@@ -249,3 +249,20 @@ def test_profile_manual_gc_and_determinism(tiny, tmp_path):
     assert trace.is_file()
     assert json.loads(trace.read_text())["traceEvents"]
     assert not (tmp_path / "run" / "memory_snapshot").exists()  # needs a CUDA / NPU allocator
+
+
+def test_adamw_swap_resumes_exactly(tiny, tmp_path):
+    """The host-held optimizer state goes through the same DCP checkpoint as adamw's."""
+    model_dir, _ = tiny
+    whole_losses, _, whole_params = _run(
+        make_recipe(model_dir, tmp_path / "whole", train_iters=4, optimizer="adamw_swap")
+    )
+    recipe = make_recipe(
+        model_dir, tmp_path / "run", train_iters=4, optimizer="adamw_swap", save_interval=2, resume="auto"
+    )
+    first, _, _ = _run(recipe, steps=2)  # stops after the step-2 checkpoint
+    rest, _, params = _run(recipe)  # a new trainer: resume: auto finds checkpoints/latest
+    assert first + rest == whole_losses
+    _assert_close(params, whole_params, rtol=0, atol=0)
+    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
