@@ -102,7 +102,7 @@ def trainer_step(trainer) -> float:
     """The body of ``Trainer.train`` for a logged step: fetch, train_step, read back the metrics."""
     start = time.perf_counter()
     out = trainer.train_step([trainer._next_micro_batch()])
-    trainer._record(out, 0.0)
+    trainer._record(out)
     return time.perf_counter() - start
 
 

@@ -357,16 +357,17 @@ class Trainer:
         out.update(self.optimizer_step(out["loss_sum"]))
         return out
 
-    def _record(self, out: dict[str, torch.Tensor], step_time_s: float) -> dict[str, Any]:
+    def _record(self, out: dict[str, Any]) -> dict[str, Any]:
+        """The metrics.jsonl record of the step just taken (its .item() calls wait for the device)."""
         targets, tokens = (int(v) for v in out["counts"].tolist())
         record = {
             "step": self.step,
             "loss": out["global_loss_sum"].item() / max(targets, 1),
             "grad_norm": float(out["grad_norm"]),
             "lr": float(out["lr"]),
-            "step_time_ms": round(step_time_s * 1000, 2),
+            "step_time_ms": None,
             "tokens": tokens,
-            "tokens_per_s": round(tokens / step_time_s, 1) if step_time_s > 0 else None,
+            "tokens_per_s": None,
         }
         record.update(memory_stats(self.device_type))
         return record
@@ -392,7 +393,8 @@ class Trainer:
                 out = self.train_step(batches)
                 interval_steps += 1
                 if step % training.log_interval == 0 or step == stop:
-                    record = self._record(out, 0.0)  # the .item() calls wait for the device
+                    record = self._record(out)  # waits for the device: the time below is real
+                    # Mean step time since the last logged step (steps in between are not synced).
                     elapsed = (time.perf_counter() - interval_start) / interval_steps
                     record["step_time_ms"] = round(elapsed * 1000, 2)
                     record["tokens_per_s"] = round(record["tokens"] / elapsed, 1) if elapsed > 0 else None
