@@ -30,7 +30,9 @@ def _chunk_loss_and_grad_logits(
     loss = ((lse - target) * valid).sum()
     # softmax - one_hot(target), zero on ignored rows; computed in the logits buffer itself.
     grad = logits.sub_(lse.unsqueeze(1)).exp_()
-    grad.scatter_add_(1, safe.unsqueeze(1), -torch.ones_like(lse).unsqueeze(1))
+    # One index per row, so a plain indexed update (deterministic on every device, unlike scatter_add_).
+    rows = torch.arange(grad.shape[0], device=grad.device)
+    grad[rows, safe] -= 1.0
     grad.mul_(valid.unsqueeze(1))
     return loss, grad
 
