@@ -1,0 +1,146 @@
+"""Run-directory metrics (``metrics.jsonl``, ``summary.json``) and the rank-0 progress line."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FIELDS = (
+    "step",
+    "loss",
+    "grad_norm",
+    "lr",
+    "step_time_ms",
+    "tokens",
+    "tokens_per_s",
+    "peak_allocated_mib",
+    "peak_reserved_mib",
+    "alloc_retries",
+)
+
+
+def device_module(device_type: str):
+    """``torch.cuda`` / ``torch.npu`` (or None on the CPU, whose allocator reports nothing)."""
+    if device_type == "cuda":
+        return torch.cuda
+    if device_type == "npu":
+        return torch.npu  # type: ignore[attr-defined]
+    return None
+
+
+def memory_stats(device_type: str) -> dict[str, Any]:
+    """Peak allocated / reserved MiB since the last call, and allocation retries (None on the CPU)."""
+    mod = device_module(device_type)
+    if mod is None:
+        return {"peak_allocated_mib": None, "peak_reserved_mib": None, "alloc_retries": None}
+    stats = mod.memory_stats()
+    out = {
+        "peak_allocated_mib": round(mod.max_memory_allocated() / 2**20, 1),
+        "peak_reserved_mib": round(mod.max_memory_reserved() / 2**20, 1),
+        "alloc_retries": int(stats.get("num_alloc_retries", 0)),
+    }
+    mod.reset_peak_memory_stats()
+    return out
+
+
+class MetricsFile:
+    """Append-only ``metrics.jsonl`` (rank 0). On resume, lines after the resumed step are dropped."""
+
+    def __init__(self, path: Path, resume_step: int = 0):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_file():
+            kept = []
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    if json.loads(line).get("step", 0) <= resume_step:
+                        kept.append(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by a crash
+            path.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (held for the whole run)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps({k: record.get(k) for k in FIELDS}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def write_summary(path: Path, *, steps: int, wall_s: float, exit_status: int, **extra: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(
+        json.dumps(
+            {"steps": steps, "wall_s": round(wall_s, 3), "exit_status": exit_status, **extra}, indent=2
+        )
+        + "\n",
+        encoding="utf-8",
+    )
+    os.replace(tmp, path)
+
+
+def _eta(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class Progress:
+    """Rank 0's progress: a rich live line on a terminal, plain lines otherwise (logs, pipes, torchrun)."""
+
+    def __init__(self, total_steps: int, start_step: int, enabled: bool):
+        self.total = total_steps
+        self.enabled = enabled
+        self.started = time.monotonic()
+        self.start_step = start_step
+        self._live = None
+        if enabled and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+            from rich.progress import Progress as RichProgress
+
+            self._live = RichProgress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+            )
+            self._task = self._live.add_task("train", total=total_steps, completed=start_step, info="")
+            self._live.start()
+
+    def update(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        step = record["step"]
+        done = step - self.start_step
+        eta = (time.monotonic() - self.started) / max(done, 1) * (self.total - step)
+        info = (
+            f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  {record['step_time_ms']:.0f} ms/step"
+            f"  {record['tokens_per_s']:.0f} tok/s"
+        )
+        if self._live is not None:
+            self._live.update(self._task, completed=step, info=info)
+        else:
+            print(f"step {step}/{self.total}  {info}  eta {_eta(eta)}", file=sys.stderr, flush=True)
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._live is not None:
+            self._live.console.print(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None

@@ -1,0 +1,200 @@
+"""Process groups, the device mesh, and the ordered transformations that make the model trainable.
+
+``Trainer`` applies them in this order (the order matters, see each function):
+
+1. ``apply_freeze``      requires_grad off for ``model.freeze`` patterns
+2. ``apply_ac``          activation checkpointing over ``features.recompute_plan``
+3. ``apply_fsdp``        FSDP2 ``fully_shard`` bottom-up over ``parallel.fsdp_plan``, then the root
+4. ``apply_prefetch``    explicit all-gather prefetch between consecutive layers
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+from magistral_cli.config.patterns import WILDCARD, select_modules
+from magistral_cli.config.schema import FSDPPlan, Recipe, check_world_size
+from magistral_cli.errors import UserError
+
+log = logging.getLogger(__name__)
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def resolve_device_type(requested: str) -> str:
+    """``parallel.device`` as a torch device type (auto: npu, then cuda, then cpu)."""
+    if requested != "auto":
+        return requested
+    from magistral_cli.launch.device import detect_device
+
+    return detect_device()[0]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(device_type: str) -> tuple[torch.device, bool]:
+    """Join torchrun's process group (or reuse one already set up); return (device, created_here)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "npu":
+        import torch_npu  # noqa: F401  (registers the npu device and hccl)
+
+        torch.npu.set_device(local_rank)
+        device = torch.device("npu", local_rank)
+    elif device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if dist.is_initialized():
+        return device, False
+    backend = BACKENDS[device_type]
+    # Eager communicator creation is a NCCL feature; gloo and hccl connect lazily.
+    device_id = device if device_type == "cuda" else None
+    if "RANK" not in os.environ:
+        # Run without torchrun (tests, notebooks): a one-process group on a free local port.
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://127.0.0.1:{_free_port()}",
+            rank=0,
+            world_size=1,
+            device_id=device_id,
+        )
+    else:
+        dist.init_process_group(backend=backend, device_id=device_id)
+    return device, True
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The degrees of the (data parallel, context parallel) mesh, checked once."""
+
+    world_size: int
+    dp: int
+    cp: int
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe, world_size: int) -> ParallelDims:
+        try:
+            dp = check_world_size(recipe, world_size)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        cp = recipe.parallel.cp_size
+        if cp > 1:
+            raise UserError(
+                f"context parallelism (ulysses_parallel_size x ring_attention_size = {cp}) is not supported by "
+                "this engine yet; set parallel.ulysses_parallel_size=1 parallel.ring_attention_size=1"
+            )
+        return cls(world_size=world_size, dp=dp, cp=cp)
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        return init_device_mesh(device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
+
+    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The 1D mesh FSDP shards over: every rank (dp x cp), as the seed does.
+
+        It must be 1D: given a 2D mesh, fully_shard means HSDP (replicate over the first
+        dimension, shard over the second), which would replicate the model over dp.
+        """
+        if self.cp == 1:
+            return mesh["dp"]
+        return mesh["dp", "cp"]._flatten("dp_cp")
+
+
+def apply_freeze(model: nn.Module, patterns: list[str]) -> list[str]:
+    """Stop gradients for every module matched by ``patterns``; return the frozen module names.
+
+    Before FSDP: fully_shard records each parameter's requires_grad when it builds its groups.
+    """
+    frozen = select_modules(model, patterns, what="model.freeze pattern") if patterns else []
+    for _, module in frozen:
+        module.requires_grad_(False)
+    return [name for name, _ in frozen]
+
+
+def apply_ac(model: nn.Module, patterns: list[str]) -> list[str]:
+    """Recompute the activations of each matched module in the backward instead of keeping them.
+
+    The module's own ``forward`` is wrapped (names and keys stay unchanged). Before FSDP, so
+    that FSDP's hooks run around the checkpointed region: in the backward, FSDP's pre-backward
+    hook gathers the parameters once and the recomputation reuses them.
+    """
+    matched = select_modules(model, patterns, what="features.recompute_plan pattern")
+    for _, module in matched:
+        inner = module.forward
+
+        @functools.wraps(inner)
+        def forward(*args, _inner=inner, **kwargs):
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        module.forward = forward
+    return [name for name, _ in matched]
+
+
+def mixed_precision(plan: FSDPPlan) -> MixedPrecisionPolicy:
+    return MixedPrecisionPolicy(
+        param_dtype=DTYPES[plan.param_dtype] if plan.param_dtype else None,
+        reduce_dtype=DTYPES[plan.reduce_dtype] if plan.reduce_dtype else None,
+    )
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: FSDPPlan) -> list[tuple[str, nn.Module]]:
+    """``fully_shard`` each module matched by ``plan.apply_modules`` in the order given, then the root.
+
+    Bottom-up: a module is sharded after the modules nested in it, so each FSDP unit owns only
+    the parameters no inner unit took. Returns the (name, module) units in that order.
+    """
+    policy = mixed_precision(plan)
+    units = select_modules(model, plan.apply_modules, what="parallel.fsdp_plan.apply_modules pattern")
+    kwargs = {"mesh": mesh, "mp_policy": policy}
+    for _, module in units:
+        fully_shard(module, reshard_after_forward=plan.reshard_after_forward, **kwargs)
+    # The root last: it owns what no unit took, lazy init and the backward's final callback.
+    # Unless resharding is off everywhere, let FSDP keep the root gathered after the forward
+    # (its heuristic for None): the backward needs the root's parameters (the output head)
+    # first, so freeing them would only buy an immediate second all-gather.
+    fully_shard(model, reshard_after_forward=None if plan.reshard_after_forward else False, **kwargs)
+    return units
+
+
+def apply_prefetch(model: nn.Module, plan: FSDPPlan) -> int:
+    """Prefetch the all-gathers of the next (forward) / previous (backward) layers of each ``{*}`` pattern.
+
+    FSDP2 already overlaps one unit ahead implicitly; explicit prefetch issues more all-gathers
+    early, trading memory for overlap. Returns how many units got prefetch lists.
+    """
+    nf, nb = plan.num_to_forward_prefetch, plan.num_to_backward_prefetch
+    if nf == 0 and nb == 0:
+        return 0
+    count = 0
+    for pattern in plan.apply_modules:
+        if WILDCARD not in pattern:
+            continue
+        layers = [m for _, m in select_modules(model, [pattern]) if isinstance(m, FSDPModule)]
+        for i, layer in enumerate(layers):
+            if nf:
+                forward = layers[i + 1 : i + 1 + nf]
+                if forward:
+                    layer.set_modules_to_forward_prefetch(forward)
+            if nb:
+                backward = layers[max(0, i - nb) : i][::-1]
+                if backward:
+                    layer.set_modules_to_backward_prefetch(backward)
+            count += 1
+    return count

@@ -1,0 +1,120 @@
+"""Synthetic micro-batches in the data loader's exact format, for tests and benchmarks.
+
+Selected with ``data.dataset_param.dataset_type: synthetic``. Not a dataset: random tokens
+from the model's vocabulary with Magistral's layout (image placeholder tokens for the images of
+a sample, a prompt masked with -100, right padding), so that the engine's numerics can be
+compared between process counts, micro-batch splits and resumed runs without the data
+pipeline.
+
+Sample ``k`` depends only on ``(seed, k)``. Step ``s`` uses global samples
+``[s * G, (s + 1) * G)`` (G = micro_batch x accumulation x data-parallel ranks); data-parallel
+rank ``r`` takes the contiguous slice starting at ``s * G + r * micro_batch * accumulation`` and
+splits it into its micro-batches. So 1 process with micro-batch 2 sees exactly what 2 processes
+with micro-batch 1 see together, and micro-batch 2 x accumulation 1 what 1 x 2 sees.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IMAGE_TOKEN_ID = 10
+PAD_TOKEN_ID = 11
+BOS_TOKEN_ID = 1
+FIRST_TEXT_ID = 16  # below: control tokens
+
+
+class SyntheticBatches:
+    """An endless, stateful iterator of micro-batch dicts (the loader's keys and dtypes)."""
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        seq_len: int,
+        micro_batch_size: int,
+        grad_accumulation: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        image_every: int = 2,
+        pixels_per_token: int = 28,
+    ):
+        if seq_len < 16:
+            raise ValueError("synthetic batches need cutoff_len >= 16")
+        self.vocab_size = vocab_size
+        self.seq_len = seq_len
+        self.micro_batch_size = micro_batch_size
+        self.grad_accumulation = grad_accumulation
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.image_every = image_every
+        self.pixels_per_token = pixels_per_token
+        self.yielded = 0
+
+    # ------------------------------------------------------------------ stateful protocol
+    def state_dict(self) -> dict:
+        return {"micro_batches_yielded": self.yielded}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.yielded = int(state["micro_batches_yielded"])
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        step, micro = divmod(self.yielded, self.grad_accumulation)
+        per_rank = self.micro_batch_size * self.grad_accumulation
+        first = step * per_rank * self.dp_size + self.dp_rank * per_rank + micro * self.micro_batch_size
+        self.yielded += 1
+        return collate([self.sample(first + j) for j in range(self.micro_batch_size)])
+
+    # ------------------------------------------------------------------ samples
+    def sample(self, index: int) -> dict:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        length = int(torch.randint(self.seq_len // 2, self.seq_len + 1, (1,), generator=g))
+        ids = torch.randint(FIRST_TEXT_ID, self.vocab_size, (length,), generator=g)
+        ids[0] = BOS_TOKEN_ID
+        image = None
+        n_image_tokens = 0
+        if self.image_every and index % self.image_every == 0:
+            # At least two image tokens: transformers squeezes a batch holding a single one to 1D.
+            rows, cols = int(torch.randint(1, 3, (1,), generator=g)), 2
+            n_image_tokens = rows * cols
+            ids[1 : 1 + n_image_tokens] = IMAGE_TOKEN_ID
+            side = self.pixels_per_token
+            image = torch.randn(3, rows * side, cols * side, generator=g)
+        prompt = 1 + n_image_tokens + int(torch.randint(1, max(2, length // 3), (1,), generator=g))
+        labels = ids.clone()
+        labels[:prompt] = -100
+        return {"input_ids": ids, "labels": labels, "image": image}
+
+
+def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest sample; batch the images, zero-padded to the largest."""
+    longest = max(s["input_ids"].numel() for s in samples)
+    n = len(samples)
+    input_ids = torch.full((n, longest), PAD_TOKEN_ID, dtype=torch.long)
+    labels = torch.full((n, longest), -100, dtype=torch.long)
+    attention_mask = torch.zeros((n, longest), dtype=torch.long)
+    for i, s in enumerate(samples):
+        k = s["input_ids"].numel()
+        input_ids[i, :k] = s["input_ids"]
+        labels[i, :k] = s["labels"]
+        attention_mask[i, :k] = 1
+    batch = {
+        "input_ids": input_ids,
+        "labels": labels,
+        "attention_mask": attention_mask,
+        "position_ids": torch.arange(longest).unsqueeze(0).expand(n, -1).clone(),
+    }
+    images = [s["image"] for s in samples if s["image"] is not None]
+    if images:
+        h = max(im.shape[1] for im in images)
+        w = max(im.shape[2] for im in images)
+        pixel_values = torch.zeros(len(images), 3, h, w)
+        for i, im in enumerate(images):
+            pixel_values[i, :, : im.shape[1], : im.shape[2]] = im
+        batch["pixel_values"] = pixel_values
+        batch["image_sizes"] = torch.tensor([[im.shape[1], im.shape[2]] for im in images], dtype=torch.long)
+    return batch

@@ -1,0 +1,435 @@
+"""The one trainer every recipe uses: build, ``train``, ``train_step``, ``state_dict`` / ``load_state_dict``, ``close``."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from magistral_cli.config.schema import Recipe
+from magistral_cli.errors import UserError
+from magistral_cli.ops.attention import resolve_attention, uses_flash_layout, validate_right_padding
+
+from . import checkpoint as ckpt
+from .data import DataSource, build_data
+from .metrics import MetricsFile, Progress, device_module, memory_stats, write_summary
+from .model import (
+    build_model,
+    install_loss_head,
+    load_model_config,
+    materialize,
+    output_capture_survives_wrapping,
+)
+from .optim import build_optimizer, clip_grads_, grad_norm_and_sums, lr_at
+from .parallelize import (
+    DTYPES,
+    ParallelDims,
+    apply_ac,
+    apply_freeze,
+    apply_fsdp,
+    apply_prefetch,
+    init_distributed,
+    resolve_device_type,
+)
+from .profiling import MemoryProfiler, StepProfiler
+from .weights import load_weights
+
+log = logging.getLogger("magistral_cli.engine")
+
+
+def seed_everything(seed: int, device_type: str) -> None:
+    """The same seed on every rank for Python, NumPy, torch and the device."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    mod = device_module(device_type)
+    if mod is not None:
+        mod.manual_seed_all(seed)
+
+
+def rng_state(device_type: str) -> dict[str, Any]:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
+        "torch": torch.get_rng_state(),
+    }
+    mod = device_module(device_type)
+    if mod is not None:
+        state["device"] = mod.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device_type: str) -> None:
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    mod = device_module(device_type)
+    if mod is not None and "device" in state:
+        mod.set_rng_state(state["device"])
+
+
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+class Trainer:
+    """Pure-FSDP2 training of Mistral3 from a resolved recipe.
+
+    ``data`` replaces the recipe's data source (tests pass ``SyntheticBatches``); everything
+    else comes from the recipe.
+    """
+
+    def __init__(self, recipe: Recipe, *, data: DataSource | None = None):
+        self.recipe = recipe
+        training = recipe.training
+        self.started = time.monotonic()
+        self.step = 0
+        if training.output_dir is None:
+            raise UserError("training.output_dir is not set; launch with `magistral train`, which sets it")
+        self.run_dir = Path(training.output_dir)
+        self.save_dir = Path(training.save) if training.save else self.run_dir / "checkpoints"
+
+        self.device_type = resolve_device_type(recipe.parallel.device)
+        if training.use_deter_comp:
+            # cuBLAS reads this when it initialises, so it must be set before any device work.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+        self.device, self._owns_process_group = init_distributed(self.device_type)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.dims = ParallelDims.from_recipe(recipe, self.world_size)
+        self.mesh = self.dims.build_mesh(self.device_type)
+        self.dp_mesh = self.mesh["dp"]
+        self.dp_group = self.dp_mesh.get_group()
+        self.dp_rank = self.dp_mesh.get_local_rank()
+        seed_everything(training.seed, self.device_type)
+        if training.manual_gc_interval:
+            gc.disable()
+
+        self.model = self._build_model()
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.model, training, self.device_type)
+        vocab = self.model.config.text_config.vocab_size
+        self.data = (
+            data
+            if data is not None
+            else build_data(recipe, dp_rank=self.dp_rank, dp_size=self.dims.dp, vocab_size=vocab)
+        )
+        self._load_initial_state()
+        self._data_iter = iter(self.data)
+
+        if training.freeze_gc_after_init:
+            from magistral_cli.ops.gc_policy import freeze_after_init
+
+            log.info("froze %d setup objects; automatic GC stays on for new ones", freeze_after_init())
+
+    # ------------------------------------------------------------------ build
+    def _build_model(self) -> torch.nn.Module:
+        recipe, training = self.recipe, self.recipe.training
+        plan, features = recipe.parallel.fsdp_plan, recipe.features
+        if recipe.model.model_name_or_path is None:
+            raise UserError(
+                "model.model_name_or_path is not set; point it at the model directory (config.json)"
+            )
+        config = load_model_config(recipe.model.model_name_or_path, recipe.model.trust_remote_code)
+        self.attn_implementation = resolve_attention(recipe.model.attn_implementation, self.device_type)
+        meta = training.init_model_with_meta_device
+        model = build_model(config, meta=meta, attn_implementation=self.attn_implementation)
+        chunk = features.chunkloss_plan.chunk_size if features.enable_chunk_loss else None
+        install_loss_head(model, features.chunkloss_plan.apply_module, chunk)
+
+        # The order below is load-bearing:
+        # 1. Freeze first: fully_shard records requires_grad when it builds its parameter groups.
+        self.frozen = apply_freeze(model, recipe.model.freeze)
+        # 2. Module-level kernels replace forwards of plain (unsharded, unwrapped) modules.
+        if features.contiguous_linear_grad_modules:
+            from magistral_cli.ops.contiguous_linear import apply_contiguous_linear_grad
+
+            param_dtype = DTYPES[plan.param_dtype] if plan.param_dtype else torch.float32
+            applied = apply_contiguous_linear_grad(
+                model, features.contiguous_linear_grad_modules, device=self.device, param_dtype=param_dtype
+            )
+            log.info("contiguous Linear weight gradients on %d modules", len(applied))
+        if uses_flash_layout(self.attn_implementation):
+            from magistral_cli.ops.vision_attention import apply_vision_attention
+
+            apply_vision_attention(model, self.device)
+        # 3. Activation checkpointing wraps forwards before FSDP, so FSDP's hooks run around the
+        #    recomputed region and the backward gathers each unit's parameters once.
+        if features.recompute:
+            recomputed = apply_ac(model, features.recompute_plan.apply_modules)
+            log.info("activation checkpointing on %d modules", len(recomputed))
+        # 4. FSDP2, bottom-up, then the root; the split-copy kernel must be registered before the
+        #    first all-gather.
+        if plan.use_triton_split_copy:
+            from magistral_cli.ops.split_copy import enable_triton_split_copy
+
+            enable_triton_split_copy()
+        with output_capture_survives_wrapping(model):
+            units = apply_fsdp(model, self.dims.fsdp_mesh(self.mesh), plan)
+        apply_prefetch(model, plan)
+        log.info("FSDP2 over %d ranks: %d units + root; frozen: %s", self.dims.dp, len(units), self.frozen)
+        # 5. Materialize: sharded storage on the device (loading fills it in _load_initial_state).
+        if meta:
+            materialize(model, self.device)
+        return model
+
+    def _load_initial_state(self) -> None:
+        """Resume from a training checkpoint, or load ``training.load`` weights (in that order)."""
+        training = self.recipe.training
+        if self.rank == 0:
+            for stale in ckpt.remove_stale_temporaries(self.save_dir):
+                log.warning("removed %s, left by an interrupted checkpoint save", stale)
+        resume = ckpt.read_latest(self.save_dir) if training.resume == "auto" else None
+        if resume is None and training.load and training.load_format != "hf":
+            path = Path(training.load)
+            resume = path if ckpt.is_training_checkpoint(path) else ckpt.resolve_checkpoint(path)
+        if resume is not None:
+            self.load_state_dict(resume)
+            log.info("resumed from %s at step %d", resume, self.step)
+            return
+        if training.load:
+            report = load_weights(self.model, training.load, training.load_format, training.load_strict)
+            if report.missing or report.unexpected:
+                log.warning(
+                    "loaded %s: missing %s, unexpected %s", report.source, report.missing, report.unexpected
+                )
+                if report.missing and training.init_model_with_meta_device:
+                    self._init_missing(report.missing)
+            log.info("loaded %d tensors from %s (%s)", report.loaded, report.source, report.fmt)
+        elif training.init_model_with_meta_device:
+            raise UserError(
+                "training.load is not set, so there are no weights to materialize the meta-device model with; "
+                "set training.load to the model directory, or init_model_with_meta_device=false for random weights"
+            )
+
+    def _init_missing(self, missing: list[str]) -> None:
+        """Initialise parameters a non-strict load did not provide (transformers' own initialiser)."""
+        owners = {key.rsplit(".", 1)[0] for key in missing}
+        modules = dict(self.model.named_modules())
+        with torch.no_grad():
+            for name in owners:
+                self.model._init_weights(modules[name])
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpoint: model, optimizer, scheduler, RNG (per rank), data loader (per dp rank), step."""
+        training = self.recipe.training
+        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        if not training.no_save_optim:
+            state["optimizer"] = {"state": get_optimizer_state_dict(self.model, self.optimizer)["state"]}
+        state["scheduler"] = {"last_step": torch.tensor(self.step, dtype=torch.int64)}
+        if not training.no_save_rng:
+            state["rng"] = {f"rank_{self.rank}": ckpt.pack(rng_state(self.device_type))}
+        state["dataloader"] = {f"dp_rank_{self.dp_rank}": ckpt.pack(self.data.state_dict())}
+        state["step"] = torch.tensor(self.step, dtype=torch.int64)
+        return state
+
+    def load_state_dict(self, path: Path) -> None:
+        """Continue from the training checkpoint at ``path`` (every rank calls it)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
+
+        training = self.recipe.training
+        keys = set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        missing = sorted(f"model.{k}" for k in state["model"] if f"model.{k}" not in keys)
+        if missing:
+            raise UserError(f"checkpoint {path} lacks model keys: {', '.join(missing)}")
+        optim_sd = None
+        if not training.no_load_optim and any(k.startswith("optimizer.") for k in keys):
+            optim_sd = get_optimizer_state_dict(self.model, self.optimizer)
+            state["optimizer"] = {"state": optim_sd["state"]}
+        rng_key, data_key = f"rng.rank_{self.rank}", f"dataloader.dp_rank_{self.dp_rank}"
+        packed = [k for k in (rng_key, data_key) if k in keys and not (k == rng_key and training.no_load_rng)]
+        for key, size in ckpt.checkpoint_sizes(path, packed).items():
+            section, name = key.split(".", 1)
+            state.setdefault(section, {})[name] = torch.empty(size, dtype=torch.uint8)
+        state["step"] = torch.zeros((), dtype=torch.int64)
+        dcp.load(state, checkpoint_id=str(path))
+
+        set_model_state_dict(self.model, state["model"])
+        if optim_sd is not None:
+            set_optimizer_state_dict(
+                self.model,
+                self.optimizer,
+                {"state": state["optimizer"]["state"], "param_groups": optim_sd["param_groups"]},
+            )
+        if "rng" in state:
+            set_rng_state(ckpt.unpack(state["rng"][f"rank_{self.rank}"]), self.device_type)
+        elif not training.no_load_rng:
+            log.warning(
+                "checkpoint %s has no RNG state for rank %d; keeping the seeded state", path, self.rank
+            )
+        if "dataloader" in state:
+            self.data.load_state_dict(ckpt.unpack(state["dataloader"][f"dp_rank_{self.dp_rank}"]))
+        else:
+            log.warning(
+                "checkpoint %s has no data-loader state for dp rank %d; data restarts", path, self.dp_rank
+            )
+        self.step = int(state["step"])
+
+    def save(self) -> Path:
+        path = ckpt.save_checkpoint(self.state_dict(), self.save_dir, self.step)
+        log.info("saved checkpoint %s", path)
+        return path
+
+    # ------------------------------------------------------------------ training
+    def _next_micro_batch(self) -> dict[str, torch.Tensor]:
+        try:
+            return next(self._data_iter)
+        except StopIteration:
+            # End of an epoch: a new pass (the loader's sampler moves to the next epoch).
+            self._data_iter = iter(self.data)
+            return next(self._data_iter)
+
+    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Forward and backward over this rank's micro-batches; gradients end up reduce-scattered.
+
+        The loss is normalised over the non-ignored targets of the *global* batch (all micro-batches
+        of all data-parallel ranks), so the gradient does not depend on how the batch is split.
+        Returns device tensors: ``loss_sum`` (this rank's summed token losses) and ``counts``
+        (global targets, global non-padding tokens). Nothing here waits for the device.
+        """
+        local = torch.zeros(2, dtype=torch.int64)
+        for mb in micro_batches:
+            # Host-side checks and counts: the batches are still on the CPU, so no device sync.
+            validate_right_padding(mb["attention_mask"])
+            local[0] += (mb["labels"][:, 1:] != -100).sum()
+            local[1] += mb["attention_mask"].sum()
+        counts = local.to(self.device)
+        # The global counts are needed only by the first backward: overlap the all-reduce with
+        # the first forward.
+        pending = dist.all_reduce(counts, group=self.dp_group, async_op=True)
+        scale = None
+
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        last = len(micro_batches) - 1
+        for i, mb in enumerate(micro_batches):
+            # Gradient accumulation without communication: reduce-scatter on the last micro-batch only.
+            self.model.set_requires_gradient_sync(i == last)
+            loss = self.model(**_to_device(mb, self.device))
+            if scale is None:
+                pending.wait()
+                # FSDP averages gradients over the dp ranks; multiplying by dp undoes that
+                # average, so the result is sum(token losses) / global targets.
+                scale = self.dims.dp / counts[0].clamp(min=1).to(torch.float32)
+            (loss * scale).backward()
+            loss_sum += loss.detach()
+        return {"loss_sum": loss_sum, "counts": counts}
+
+    def optimizer_step(self, loss_sum: torch.Tensor | None = None) -> dict[str, Any]:
+        """Gradient norm (always) and clipping, AdamW at this step's learning rate, zero grads.
+
+        Returns device tensors: ``grad_norm`` and ``loss_sum`` summed over the dp ranks (the
+        two travel in one all-reduce), and the ``lr`` used.
+        """
+        lr = lr_at(self.step + 1, self.recipe.training)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if loss_sum is None:
+            loss_sum = torch.zeros((), device=self.device)
+        grad_norm, global_loss_sum = grad_norm_and_sums(self.trainable, loss_sum, group=self.dp_group)
+        clip_grads_(self.trainable, self.recipe.training.clip_grad, grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"grad_norm": grad_norm, "global_loss_sum": global_loss_sum, "lr": lr}
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+        """One optimizer step; returns device tensors and the lr (no host synchronisation)."""
+        out = self.forward_backward(micro_batches)
+        out.update(self.optimizer_step(out["loss_sum"]))
+        return out
+
+    def _record(self, out: dict[str, Any]) -> dict[str, Any]:
+        """The metrics.jsonl record of the step just taken (its .item() calls wait for the device)."""
+        targets, tokens = (int(v) for v in out["counts"].tolist())
+        record = {
+            "step": self.step,
+            "loss": out["global_loss_sum"].item() / max(targets, 1),
+            "grad_norm": float(out["grad_norm"]),
+            "lr": float(out["lr"]),
+            "step_time_ms": None,
+            "tokens": tokens,
+            "tokens_per_s": None,
+        }
+        record.update(memory_stats(self.device_type))
+        return record
+
+    def train(self, max_steps: int | None = None) -> list[dict[str, Any]]:
+        """Train to ``training.train_iters`` (or ``max_steps`` more steps); return the logged records."""
+        training, tools = self.recipe.training, self.recipe.tools
+        is_rank0 = self.rank == 0
+        metrics = MetricsFile(self.run_dir / "metrics.jsonl", resume_step=self.step) if is_rank0 else None
+        progress = Progress(training.train_iters, self.step, enabled=is_rank0)
+        profiler = StepProfiler(tools.profile, self.run_dir, self.rank, self.device_type)
+        mem_profiler = MemoryProfiler(tools.memory_profile, self.run_dir, self.rank, self.device_type)
+        stop = training.train_iters if max_steps is None else min(training.train_iters, self.step + max_steps)
+        records: list[dict[str, Any]] = []
+        last_saved = self.step
+        try:
+            interval_start, interval_steps = time.perf_counter(), 0
+            while self.step < stop:
+                step = self.step + 1
+                profiler.before_step(step)
+                mem_profiler.before_step(step)
+                batches = [self._next_micro_batch() for _ in range(training.gradient_accumulation_steps)]
+                out = self.train_step(batches)
+                interval_steps += 1
+                if step % training.log_interval == 0 or step == stop:
+                    record = self._record(out)  # waits for the device: the time below is real
+                    # Mean step time since the last logged step (steps in between are not synced).
+                    elapsed = (time.perf_counter() - interval_start) / interval_steps
+                    record["step_time_ms"] = round(elapsed * 1000, 2)
+                    record["tokens_per_s"] = round(record["tokens"] / elapsed, 1) if elapsed > 0 else None
+                    records.append(record)
+                    if metrics is not None:
+                        metrics.write(record)
+                    progress.update(record)
+                    interval_start, interval_steps = time.perf_counter(), 0
+                if training.save_interval and step % training.save_interval == 0:
+                    path = self.save()
+                    last_saved = step
+                    progress.message(f"checkpoint {path}")
+                if training.manual_gc_interval and step % training.manual_gc_interval == 0:
+                    gc.collect()
+                mem_profiler.after_step(step)
+                profiler.after_step(step)
+            if training.save_interval and self.step != last_saved and self.step == training.train_iters:
+                path = self.save()
+                progress.message(f"checkpoint {path}")
+        finally:
+            progress.close()
+            if metrics is not None:
+                metrics.close()
+        return records
+
+    def close(self, exit_status: int = 0) -> None:
+        """Write summary.json (rank 0) and leave the process group if this trainer joined it."""
+        if self.rank == 0:
+            write_summary(
+                self.run_dir / "summary.json",
+                steps=self.step,
+                wall_s=time.monotonic() - self.started,
+                exit_status=exit_status,
+            )
+        if self.recipe.training.manual_gc_interval:
+            gc.enable()
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,193 @@
+"""Loading initial weights into the sharded model: ``training.load`` with ``load_format``.
+
+Three sources, one rule: every rank reads only the slices of the tensors it holds.
+
+- ``hf``: safetensors shards (official or transformers key layout; ``model.safetensors.index.json``
+  or a single ``model.safetensors``). Keys go through ``checkpoint.keys.to_transformers_key``;
+  each DTensor's local shard is read with safetensors' lazy slicing.
+- ``dcp``: a torch.distributed.checkpoint directory: the fsdp2 layout (transformers keys at the
+  root), the megatron layout (``"model." + key``, in ``<dir>/release/``) or one of our training
+  checkpoints (``model.<key>``, plus optimizer, RNG, ...: only the model is read here).
+
+Key checks happen before any tensor is read, so ``load_strict`` stops the run before step 1
+with the lists of missing and unexpected keys.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from magistral_cli.checkpoint.keys import to_transformers_key
+from magistral_cli.errors import UserError
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+@dataclass
+class LoadReport:
+    source: str
+    fmt: str
+    loaded: int = 0
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+
+def is_dcp_dir(path: Path) -> bool:
+    return (path / ".metadata").is_file()
+
+
+def detect_format(path: Path) -> str:
+    """``hf`` or ``dcp`` for an existing directory (a megatron DCP keeps its files in ``release/``)."""
+    if (path / INDEX_FILE).is_file() or (path / SINGLE_FILE).is_file():
+        return "hf"
+    if is_dcp_dir(path) or is_dcp_dir(path / "release"):
+        return "dcp"
+    raise UserError(
+        f"training.load {path} holds neither safetensors weights ({INDEX_FILE} or {SINGLE_FILE}) nor a DCP "
+        "checkpoint (.metadata); point it at a model directory, a `magistral convert` output or a run checkpoint"
+    )
+
+
+def _check_keys(
+    report: LoadReport, model_keys: list[str], source_keys: set[str], strict: bool, problems: list[str]
+) -> None:
+    report.missing = sorted(k for k in model_keys if k not in source_keys)
+    report.unexpected = sorted(source_keys - set(model_keys))
+    if strict and (report.missing or report.unexpected or problems):
+        lines = [f"cannot load {report.source} ({report.fmt}) with training.load_strict: true:"]
+        if report.missing:
+            lines.append(f"  missing keys ({len(report.missing)}): " + ", ".join(report.missing))
+        if report.unexpected:
+            lines.append(f"  unexpected keys ({len(report.unexpected)}): " + ", ".join(report.unexpected))
+        lines += [f"  {p}" for p in problems]
+        lines.append(
+            "  fix: point training.load at a checkpoint of this model, or set training.load_strict=false"
+        )
+        raise UserError("\n".join(lines))
+    if problems:
+        raise UserError(f"cannot load {report.source}: " + "; ".join(problems))
+
+
+def _local_slices(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """(local storage, slices of the global tensor it holds) for a DTensor or a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(
+            tensor.shape, tensor.device_mesh, tensor.placements
+        )
+        return tensor.to_local(), tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+    return tensor, tuple(slice(0, s) for s in tensor.shape)
+
+
+def _hf_weight_map(path: Path) -> dict[str, str]:
+    """source key -> file name."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        return dict(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+    from safetensors import safe_open
+
+    with safe_open(str(path / SINGLE_FILE), framework="pt") as f:
+        return dict.fromkeys(f.keys(), SINGLE_FILE)
+
+
+def load_hf(model: nn.Module, path: Path, strict: bool) -> LoadReport:
+    """Read safetensors shards (official or transformers keys) into the model's local shards."""
+    from safetensors import safe_open
+
+    report = LoadReport(source=str(path), fmt="hf")
+    weight_map = _hf_weight_map(path)
+    by_key: dict[str, tuple[str, str]] = {}  # transformers key -> (source key, file)
+    problems: list[str] = []
+    unmappable: set[str] = set()
+    for key, fname in weight_map.items():
+        try:
+            by_key[to_transformers_key(key)] = (key, fname)
+        except KeyError:
+            unmappable.add(key)
+    targets = model.state_dict()
+    _check_keys(report, list(targets), set(by_key) | unmappable, strict, problems)
+
+    by_file: dict[str, list[str]] = {}
+    for key in targets:
+        if key in by_key:
+            by_file.setdefault(by_key[key][1], []).append(key)
+    with torch.no_grad():
+        for fname, keys in by_file.items():
+            with safe_open(str(path / fname), framework="pt") as f:
+                for key in keys:
+                    source = f.get_slice(by_key[key][0])
+                    if tuple(source.get_shape()) != tuple(targets[key].shape):
+                        problems.append(
+                            f"{key}: shape {tuple(source.get_shape())} in {fname}, {tuple(targets[key].shape)} in the model"
+                        )
+                        continue
+                    local, slices = _local_slices(targets[key])
+                    if local.numel():
+                        local.copy_(source[slices])
+                    report.loaded += 1
+    if problems:
+        raise UserError(
+            f"cannot load {path}: " + "; ".join(problems) + "; the checkpoint belongs to another model config"
+        )
+    return report
+
+
+def dcp_model_prefix(keys: set[str]) -> str:
+    """``"model."`` for training checkpoints and the megatron layout, ``""`` for the fsdp2 layout."""
+    if any(k.startswith(("model.model.", "model.lm_head.")) for k in keys):
+        return "model."
+    return ""
+
+
+def load_dcp(model: nn.Module, path: Path, strict: bool) -> LoadReport:
+    """Read the model tensors of a DCP directory (any of our layouts) into the model's local shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not is_dcp_dir(path) and is_dcp_dir(path / "release"):
+        path = path / "release"
+    report = LoadReport(source=str(path), fmt="dcp")
+    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    prefix = dcp_model_prefix(set(metadata))
+    source_keys = {k[len(prefix) :] for k in metadata if k.startswith(prefix)}
+    if prefix:
+        # Training checkpoints also hold optimizer/rng/... entries: only the model's count as keys.
+        source_keys = {k for k in source_keys if k.startswith(("model.", "lm_head."))}
+    targets = model.state_dict()
+    problems = []
+    for key, tensor in targets.items():
+        meta = metadata.get(prefix + key)
+        if isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(tensor.shape):
+            problems.append(
+                f"{key}: shape {tuple(meta.size)} in the checkpoint, {tuple(tensor.shape)} in the model"
+            )
+    _check_keys(report, list(targets), source_keys, strict, problems)
+    wanted = {prefix + k: v for k, v in targets.items() if k in source_keys}
+    dcp.load(wanted, checkpoint_id=str(path))
+    report.loaded = len(wanted)
+    return report
+
+
+def load_weights(model: nn.Module, path: str | Path, fmt: str, strict: bool) -> LoadReport:
+    """Load ``training.load`` into the model (``fmt``: hf, dcp or auto)."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"training.load {path} does not exist")
+    if fmt == "auto":
+        fmt = detect_format(path)
+    if fmt == "hf":
+        return load_hf(model, path, strict)
+    return load_dcp(model, path, strict)

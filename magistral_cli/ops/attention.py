@@ -1,0 +1,139 @@
+"""Attention backends for the language model, chosen per device.
+
+- CPU: ``sdpa`` (``eager`` when asked for explicitly).
+- CUDA: ``flash_attention_2`` when the ``flash-attn`` package is installed, otherwise ``sdpa``.
+- NPU: ``torch_npu.npu_fusion_attention`` registered in transformers' attention-function
+  registry under the name ``npu_fusion_attention``.
+
+The flash paths never see a padding mask: with right padding and a causal mask, a real token
+only ever attends to earlier real tokens, so padding is harmless and the mask can be dropped.
+Any other mask (left padding, holes, packed-sample ids) would silently change the result, so
+``validate_right_padding`` rejects it before the model runs (the seed's
+``_validate_dense_attention_mask``). The trainer checks every host-side batch with it, which costs
+no device synchronisation.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+NPU_ATTENTION = "npu_fusion_attention"
+_FLASH_NAMES = ("flash_attention_2", "flash_attention_3", NPU_ATTENTION)
+
+
+def validate_right_padding(attention_mask: torch.Tensor | None) -> None:
+    """Raise ValueError unless ``attention_mask`` is a 2D 0/1 mask with padding on the right only."""
+    if attention_mask is None:
+        return
+    if attention_mask.ndim != 2:
+        raise ValueError(
+            f"attention_mask must be 2D [batch, seq] with right padding, got shape {tuple(attention_mask.shape)}"
+        )
+    # Both checks read back together: one synchronisation when the mask lives on a device.
+    invalid_values, invalid_padding = (
+        torch.stack(
+            (
+                ((attention_mask != 0) & (attention_mask != 1)).any(),
+                ((attention_mask[:, 1:] != 0) & (attention_mask[:, :-1] == 0)).any(),
+            )
+        )
+        .cpu()
+        .tolist()
+    )
+    if invalid_values:
+        raise ValueError(
+            "attention_mask holds values other than 0 and 1 (packed-sample ids, neat_packing); "
+            "this engine supports right-padded batches only: set data.dataset_param.basic_parameters.neat_packing=false"
+        )
+    if invalid_padding:
+        raise ValueError(
+            "attention_mask has padding before real tokens (left padding or holes); "
+            "this engine supports right padding only: pad on the right in the collator"
+        )
+
+
+def resolve_attention(requested: str, device_type: str) -> str:
+    """The language-model attention implementation to use on ``device_type`` for ``requested``.
+
+    Recipes ported from the NPU seed ask for ``flash_attention_2``; on NPU that means the fusion
+    kernel, on CUDA the flash-attn package when installed, and on the CPU ``sdpa``.
+    """
+    if requested not in ("sdpa", "eager", "flash_attention_2", "flash_attention_3", NPU_ATTENTION):
+        raise ValueError(
+            f"model.attn_implementation {requested!r} is not supported; use sdpa, eager or flash_attention_2"
+        )
+    if requested in ("sdpa", "eager"):
+        return requested
+    if device_type == "npu":
+        register_npu_attention()
+        return NPU_ATTENTION
+    if device_type == "cuda" and requested != NPU_ATTENTION:
+        if importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2" if requested == "flash_attention_2" else requested
+        log.warning("model.attn_implementation=%s but flash-attn is not installed; using sdpa", requested)
+        return "sdpa"
+    log.info("model.attn_implementation=%s is not available on %s; using sdpa", requested, device_type)
+    return "sdpa"
+
+
+def uses_flash_layout(implementation: str) -> bool:
+    """Whether ``implementation`` ignores the padding mask (and so needs right padding)."""
+    return implementation in _FLASH_NAMES
+
+
+_npu_mask_cache: dict[torch.device, torch.Tensor] = {}
+
+
+def _npu_causal_mask(device: torch.device) -> torch.Tensor:
+    # sparse_mode=3 (left-up causal) takes a fixed 2048x2048 upper-triangular mask whatever the length.
+    mask = _npu_mask_cache.get(device)
+    if mask is None:
+        mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=device), diagonal=1)
+        _npu_mask_cache[device] = mask
+    return mask
+
+
+def npu_fusion_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function over ``torch_npu.npu_fusion_attention`` (causal, BNSD layout).
+
+    ``query`` is ``[B, heads, S, D]`` and ``key``/``value`` ``[B, kv_heads, S, D]`` (grouped-query
+    attention is native to the kernel). Returns ``[B, S, heads, D]`` like transformers' sdpa path.
+    """
+    import torch_npu
+
+    if attention_mask is not None:
+        raise ValueError("npu_fusion_attention takes no padding mask; batches must be right-padded")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    output = torch_npu.npu_fusion_attention(
+        query,
+        key,
+        value,
+        query.shape[1],
+        input_layout="BNSD",
+        atten_mask=_npu_causal_mask(query.device),
+        scale=scale,
+        keep_prob=1.0 - dropout,
+        sparse_mode=3,
+    )[0]
+    return output.transpose(1, 2).contiguous(), None
+
+
+def register_npu_attention() -> None:
+    """Register ``npu_fusion_attention`` with transformers (no padding-mask creation for it)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NPU_ATTENTION, npu_fusion_attention_forward)

@@ -1,0 +1,62 @@
+"""Shared pieces of the engine tests: a tiny model on disk and recipes for it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+#: A small vocabulary keeps the logits (and the tests) cheap; the structure is Magistral's.
+VOCAB = 512
+
+
+def write_tiny_model(directory: Path, seed: int = 0):
+    """The tiny Mistral3 (fp32) in the official layout, two shards plus an index; returns the model."""
+    from magistral_cli.testing.tiny_model import (
+        build_tiny_model,
+        save_official_checkpoint,
+        tiny_mistral3_config,
+    )
+
+    model = build_tiny_model(tiny_mistral3_config(vocab_size=VOCAB), seed=seed)
+    save_official_checkpoint(model, directory, num_shards=2, dtype="float32")
+    return model
+
+
+def recipe_dict(model_dir: Path, output_dir: Path, **training) -> dict:
+    """A fp32 CPU recipe over synthetic batches (the loader's format) for the tiny model."""
+    train = {
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 1,
+        "train_iters": 3,
+        "lr": 1.0e-3,
+        "lr_warmup_ratio": 0.34,
+        "lr_decay_style": "cosine",
+        "weight_decay": 0.01,
+        "clip_grad": 1.0,
+        "load": str(model_dir),
+        "output_dir": str(output_dir),
+        "save_interval": 0,
+        "resume": "never",
+        "seed": 7,
+    }
+    train.update(training)
+    return {
+        "parallel": {"device": "cpu", "fsdp_plan": {"param_dtype": "fp32", "reduce_dtype": "fp32"}},
+        "data": {"dataset_param": {"dataset_type": "synthetic", "basic_parameters": {"cutoff_len": 48}}},
+        "model": {"model_name_or_path": str(model_dir)},
+        "training": train,
+    }
+
+
+def make_recipe(model_dir: Path, output_dir: Path, overrides: list[str] = (), **training):
+    from magistral_cli.config.loader import apply_overrides, validate_recipe
+
+    return validate_recipe(apply_overrides(recipe_dict(model_dir, output_dir, **training), list(overrides)))
+
+
+def full_params(model) -> dict:
+    """Every parameter gathered to a plain CPU tensor, by name."""
+    out = {}
+    for name, param in model.named_parameters():
+        value = param.full_tensor() if hasattr(param, "full_tensor") else param
+        out[name] = value.detach().clone().cpu()
+    return out

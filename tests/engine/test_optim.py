@@ -1,0 +1,62 @@
+"""Learning-rate schedule, AdamW with host-held state, checkpoint packing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from magistral_cli.config.schema import Training
+from magistral_cli.engine.checkpoint import pack, unpack
+from magistral_cli.engine.optim import AdamWSwap, lr_at
+
+
+def _training(**kw):
+    return Training(train_iters=10, lr=1.0, min_lr=0.1, lr_warmup_ratio=0.2, **kw)
+
+
+def test_warmup_then_cosine():
+    t = _training(lr_decay_style="cosine")
+    assert [lr_at(s, t) for s in (1, 2)] == [0.5, 1.0]
+    assert lr_at(10, t) == pytest.approx(0.1)
+    assert lr_at(6, t) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+
+
+def test_linear_and_constant():
+    assert lr_at(6, _training(lr_decay_style="linear")) == pytest.approx(1.0 - 0.9 * 0.5)
+    assert [lr_at(s, _training(lr_decay_style="constant")) for s in (1, 3, 10)] == [0.5, 1.0, 1.0]
+
+
+def test_no_warmup():
+    t = Training(train_iters=4, lr=2.0, lr_warmup_ratio=0.0, lr_decay_style="linear")
+    assert lr_at(1, t) == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_adamw_swap_equals_adamw(fused):
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(7, 5, generator=g), torch.randn(3, generator=g)]
+    grads = [[torch.randn_like(p) for p in init] for _ in range(4)]
+    results = []
+    for cls in (torch.optim.AdamW, AdamWSwap):
+        params = [torch.nn.Parameter(p.clone()) for p in init]
+        kwargs = {"lr": 1e-2, "weight_decay": 0.1, "foreach": not fused, "fused": fused}
+        opt = cls(params, chunk_bytes=64, **kwargs) if cls is AdamWSwap else cls(params, **kwargs)
+        for step_grads in grads:
+            for p, gr in zip(params, step_grads, strict=True):
+                p.grad = gr.clone()
+            opt.step()
+        results.append([p.detach().clone() for p in params])
+        if cls is AdamWSwap:
+            assert all(s["exp_avg"].device.type == "cpu" for s in opt.state.values())
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_pack_round_trip_without_pickle():
+    state = {"python": (3, tuple(range(5)), None), "torch": torch.arange(4, dtype=torch.uint8), "n": 12}
+    packed = pack(state)
+    assert packed.dtype == torch.uint8
+    out = unpack(packed)
+    assert out["python"] == state["python"] and out["n"] == 12 and torch.equal(out["torch"], state["torch"])
