@@ -1,8 +1,8 @@
 """`magistral probe NAME`: device and numerics checks for CI.
 
-vision-attention, split-copy, train-smoke, or all. Each prints PASS / FAIL / SKIP with the
-reason (``--json``: one object, or a list for ``all``). Exit 1 on any FAIL, 0 otherwise;
-``--require-device`` makes a SKIP a failure, for CI machines that do have the device.
+vision-attention, split-copy, train-smoke, cp-equivalence, or all. Each prints PASS / FAIL /
+SKIP with the reason (``--json``: one object, or a list for ``all``). Exit 1 on any FAIL, 0
+otherwise; ``--require-device`` makes a SKIP a failure, for CI machines that do have the device.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from magistral_cli.errors import CheckFailed, UserError
 
 from .output import console, emit_json
 
-NAMES = ("vision-attention", "split-copy", "train-smoke", "all")
+NAMES = ("vision-attention", "split-copy", "train-smoke", "cp-equivalence", "all")
+DTYPES = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda", "npu")
 _STYLE = {"PASS": "green", "FAIL": "bold red", "SKIP": "yellow"}
 
@@ -26,7 +27,9 @@ def register(app: typer.Typer) -> None:
         help=(
             "Device and numerics checks: vision-attention (--mode default|ulysses|ring|hybrid), "
             "split-copy (the Triton FSDP2 copy-out; interpreted on the CPU), "
-            "train-smoke (--nproc, --mode default|multi, --steps), or all."
+            "train-smoke (--nproc, --mode default|multi, --steps), "
+            "cp-equivalence (--mode ulysses|ring|hybrid, --nproc, --dtype, --chunk-loss), "
+            "or all (every probe in its default mode, and cp-equivalence in all three modes)."
         ),
     )
     def probe(
@@ -38,23 +41,48 @@ def register(app: typer.Typer) -> None:
             Optional[str],
             typer.Option(
                 "--mode",
-                help="vision-attention: default|ulysses|ring|hybrid; train-smoke: default|multi.",
+                help=(
+                    "vision-attention: default|ulysses|ring|hybrid; train-smoke: default|multi; "
+                    "cp-equivalence: ulysses|ring|hybrid."
+                ),
                 show_default=False,
             ),
         ] = None,
         nproc: Annotated[
             Optional[int],
             typer.Option(
-                "--nproc", min=1, help="train-smoke ranks (default 2 on the CPU).", show_default=False
+                "--nproc",
+                min=1,
+                help=(
+                    "Processes: train-smoke ranks (default 2 on the CPU); cp-equivalence and the "
+                    "context-parallel vision-attention modes (default 2, hybrid 4)."
+                ),
+                show_default=False,
             ),
         ] = None,
+        dtype: Annotated[
+            Optional[str],
+            typer.Option("--dtype", help="cp-equivalence: fp32 or bf16 (default: both).", show_default=False),
+        ] = None,
+        chunk_loss: Annotated[
+            bool, typer.Option("--chunk-loss", help="cp-equivalence: chunked cross-entropy loss.")
+        ] = False,
         steps: Annotated[int, typer.Option("--steps", min=1, help="train-smoke steps.")] = 30,
         json_output: Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")] = False,
         require_device: Annotated[
             bool, typer.Option("--require-device", help="Treat SKIP as a failure (CI with the device).")
         ] = False,
     ) -> None:
-        results = run(name, device=device, mode=mode, nproc=nproc, steps=steps, require_device=require_device)
+        results = run(
+            name,
+            device=device,
+            mode=mode,
+            nproc=nproc,
+            steps=steps,
+            dtype=dtype,
+            chunk_loss=chunk_loss,
+            require_device=require_device,
+        )
         payload: Any = results if name == "all" else results[0]
         if json_output:
             emit_json(payload)
@@ -73,6 +101,8 @@ def run(
     mode: str | None = None,
     nproc: int | None = None,
     steps: int = 30,
+    dtype: str | None = None,
+    chunk_loss: bool = False,
     require_device: bool = False,
 ) -> List[dict]:
     """Validate the arguments, run the probe(s) and return their JSON objects."""
@@ -91,13 +121,30 @@ def run(
         modes = PROBE_MODES[name]
         if mode is not None and mode not in modes:
             raise UserError(f"--mode {mode!r} is not a mode of {name}: choose one of {', '.join(modes)}")
-    if name != "train-smoke" and name != "all" and nproc is not None:
-        raise UserError("--nproc applies to train-smoke only")
+    mode = mode or (None if name == "all" else PROBE_MODES[name][0])
+    context_parallel = name == "cp-equivalence" or (name == "vision-attention" and mode != "default")
+    if nproc is not None and not (name in ("train-smoke", "all") or context_parallel):
+        raise UserError(
+            "--nproc applies to train-smoke, cp-equivalence and the context-parallel vision-attention modes"
+        )
+    if context_parallel and nproc is not None:
+        from magistral_cli.probes.cp_workers import check_cp_nproc
+
+        problem = check_cp_nproc(mode, nproc)
+        if problem:
+            raise UserError(problem)
+    if name != "cp-equivalence" and (dtype is not None or chunk_loss):
+        raise UserError("--dtype and --chunk-loss apply to cp-equivalence only")
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     resolved = resolve_probe_device(device)
     if name == "all":
         results = run_all(resolved, nproc=nproc, steps=steps)
     else:
-        results = [run_probe(name, resolved, mode or PROBE_MODES[name][0], nproc=nproc, steps=steps)]
+        options = {"nproc": nproc, "steps": steps}
+        if name == "cp-equivalence":
+            options.update(dtypes=(dtype,) if dtype else None, chunk_loss=chunk_loss)
+        results = [run_probe(name, resolved, mode, **options)]
     out = [r.to_json() for r in results]
     if require_device:
         for r in out:

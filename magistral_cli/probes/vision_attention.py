@@ -8,36 +8,51 @@ For one image, two equal images and two images of different sizes, in bf16:
 - isolation: the first image's outputs have zero gradient with respect to the other images'
   pixels and stay bit-identical when those pixels change.
 
-The context-parallel modes need the context-parallel engine; until then they SKIP.
+The context-parallel modes (ulysses, ring: 2 processes; hybrid: 4 = 2 x 2) run the same checks
+on every rank of a live CP group, with the language model of the small Mistral3 switched to
+the context-parallel attention, and every vision forward and backward inside
+``forbid_cp_communication``: a CP collective there fails the case, and so does any change of
+the rank's CP communication counter. Two more cases: the CP group works (a CP all-reduce runs
+and is counted, so the counter is live) and every rank computes bit-identical vision outputs
+(the tower is replicated, not split).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from itertools import accumulate
 from typing import Any
 
 from magistral_cli.ops.vision_attention import set_attention_implementation
 
 from .common import Cases, ProbeResult, device_missing_reason, relative_l2, skip
+from .cp_workers import CpRequest, default_cp_nproc, merge_rank_cases, run_cp_requests
 
 PROBE = "vision-attention"
 MODES = ("default", "ulysses", "ring", "hybrid")
 CONTEXT_PARALLEL_MODES = ("ulysses", "ring", "hybrid")
 FORWARD_LIMIT = 0.015
 GRADIENT_LIMIT = 0.04
+#: Test-only faults for the context-parallel modes: the tower's attention makes a CP collective.
+INJECTIONS = ("vision-uses-cp-attention",)
 #: Image sizes per case (height, width); pixels are allocated 16x24 and cropped per image.
 SIZE_CASES = ([[16, 16]], [[16, 16], [16, 16]], [[16, 16], [16, 24]])
 
 
-def _build_tower(device: str):
+def _build_model():
     import torch
     from transformers import Mistral3ForConditionalGeneration
 
     from .synthetic import probe_mistral3_config
 
     torch.manual_seed(42)
-    model = Mistral3ForConditionalGeneration(probe_mistral3_config())
+    return Mistral3ForConditionalGeneration(probe_mistral3_config())
+
+
+def _tower(model, device: str):
+    import torch
+
     return model.model.vision_tower.to(device=device, dtype=torch.bfloat16).eval()
 
 
@@ -113,59 +128,39 @@ def run_vision_attention_probe(
     backend: Callable[..., Any] | None = None,
     forward_limit: float = FORWARD_LIMIT,
     gradient_limit: float = GRADIENT_LIMIT,
+    nproc: int | None = None,
+    inject: str | None = None,
 ) -> ProbeResult:
-    """Run the probe on ``device``. ``backend`` replaces our attention function (tests use a wrong one)."""
+    """Run the probe on ``device``.
+
+    ``backend`` replaces our attention function in the default mode (tests use a wrong one);
+    ``nproc`` sets the processes of a context-parallel mode; ``inject`` (tests) plants a fault
+    from :data:`INJECTIONS` in a context-parallel mode.
+    """
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
     if mode in CONTEXT_PARALLEL_MODES:
-        return skip(PROBE, device, mode, "context parallel is not available yet")
+        if backend is not None:
+            raise ValueError("a custom backend cannot be sent to the rank processes; use inject")
+        request = vision_cp_request(
+            mode, nproc=nproc, forward_limit=forward_limit, gradient_limit=gradient_limit, inject=inject
+        )
+        return run_cp_requests(device, [request])[0]
+    if inject is not None or nproc is not None:
+        raise ValueError("nproc and inject apply to the context-parallel modes only")
     missing = device_missing_reason(device)
     if missing:
         return skip(PROBE, device, mode, missing)
 
-    import torch
-    from transformers import AttentionInterface
-
-    from magistral_cli.ops.vision_attention import (
-        ATTENTION_NAME,
-        apply_vision_attention,
-        vision_attention_backend,
-        vision_attention_forward,
-    )
+    from magistral_cli.ops.vision_attention import apply_vision_attention, vision_attention_backend
 
     if device == "npu":
         import torch_npu  # noqa: F401
 
-    tower = _build_tower(device)
+    tower = _tower(_build_model(), device)
     apply_vision_attention(tower, device)
-    implementation = backend or vision_attention_forward
-    calls: list[list[int]] = []
-
-    def traced(module, query, key, value, attention_mask, **kwargs):
-        cu = kwargs.get("cu_seq_lens_q")
-        ends = [int(x) for x in (cu.tolist() if isinstance(cu, torch.Tensor) else (cu or []))]
-        calls.append(ends[1:] if ends[:1] == [0] else ends)
-        return implementation(module, query, key, value, attention_mask, **kwargs)
-
     cases = Cases()
-    AttentionInterface.register(ATTENTION_NAME, traced)
-    try:
-        torch.manual_seed(0)
-        for sizes in SIZE_CASES:
-            cases.run(
-                f"numerics {len(sizes)} image(s) {sizes}",
-                lambda sizes=sizes: _check_case(
-                    tower, sizes, ATTENTION_NAME, calls, forward_limit, gradient_limit
-                ),
-                sizes=sizes,
-            )
-            if len(sizes) > 1:
-                set_attention_implementation(tower, ATTENTION_NAME)
-                cases.run(
-                    f"isolation {sizes}", lambda sizes=sizes: _check_isolation(tower, sizes), sizes=sizes
-                )
-    finally:
-        AttentionInterface.register(ATTENTION_NAME, vision_attention_forward)
+    _run_checks(cases, tower, backend, forward_limit, gradient_limit)
     backend_name = (
         vision_attention_backend(device) if backend is None else getattr(backend, "__name__", "custom")
     )
@@ -177,4 +172,208 @@ def run_vision_attention_probe(
         mode,
         f"{backend_name} matches per-image eager attention (forward <= {forward_limit}, "
         f"gradients <= {gradient_limit}) and keeps images isolated",
+    )
+
+
+def _run_checks(
+    cases: Cases,
+    tower,
+    backend: Callable[..., Any] | None,
+    forward_limit: float,
+    gradient_limit: float,
+    guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> None:
+    """The numerics and isolation cases, each inside ``guard()`` (the CP modes' communication guard)."""
+    import torch
+    from transformers import AttentionInterface
+
+    from magistral_cli.ops.vision_attention import ATTENTION_NAME, vision_attention_forward
+
+    implementation = backend or vision_attention_forward
+    calls: list[list[int]] = []
+
+    def traced(module, query, key, value, attention_mask, **kwargs):
+        cu = kwargs.get("cu_seq_lens_q")
+        ends = [int(x) for x in (cu.tolist() if isinstance(cu, torch.Tensor) else (cu or []))]
+        calls.append(ends[1:] if ends[:1] == [0] else ends)
+        return implementation(module, query, key, value, attention_mask, **kwargs)
+
+    def guarded(check: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+        def run() -> dict[str, Any]:
+            with guard() as details:
+                result = check()
+            return {**result, **(details or {})}
+
+        return run
+
+    AttentionInterface.register(ATTENTION_NAME, traced)
+    try:
+        torch.manual_seed(0)
+        for sizes in SIZE_CASES:
+            cases.run(
+                f"numerics {len(sizes)} image(s) {sizes}",
+                guarded(
+                    lambda sizes=sizes: _check_case(
+                        tower, sizes, ATTENTION_NAME, calls, forward_limit, gradient_limit
+                    )
+                ),
+                sizes=sizes,
+            )
+            if len(sizes) > 1:
+                set_attention_implementation(tower, ATTENTION_NAME)
+                cases.run(
+                    f"isolation {sizes}",
+                    guarded(lambda sizes=sizes: _check_isolation(tower, sizes)),
+                    sizes=sizes,
+                )
+    finally:
+        AttentionInterface.register(ATTENTION_NAME, vision_attention_forward)
+        set_attention_implementation(tower, ATTENTION_NAME)
+
+
+# --------------------------------------------------------------------------- context-parallel modes
+
+
+def vision_cp_request(
+    mode: str,
+    *,
+    nproc: int | None = None,
+    forward_limit: float = FORWARD_LIMIT,
+    gradient_limit: float = GRADIENT_LIMIT,
+    inject: str | None = None,
+) -> CpRequest:
+    """The request that :func:`run_cp_requests` runs for a context-parallel mode."""
+    if mode not in CONTEXT_PARALLEL_MODES:
+        raise ValueError(f"mode {mode!r} is not one of {', '.join(CONTEXT_PARALLEL_MODES)}")
+    if inject is not None and inject not in INJECTIONS:
+        raise ValueError(f"inject {inject!r} is not one of {', '.join(INJECTIONS)}")
+    options = {"forward_limit": forward_limit, "gradient_limit": gradient_limit, "inject": inject}
+    return CpRequest(PROBE, mode, nproc or default_cp_nproc(mode), options)
+
+
+def rank_job(request: CpRequest) -> dict[str, Any]:
+    return {"probe": PROBE, "mode": request.mode, **request.options}
+
+
+def run_rank_job(
+    mode: str, forward_limit: float, gradient_limit: float, inject: str | None
+) -> dict[str, Any]:
+    """The checks on this rank of an initialised process group (the whole world is the CP group)."""
+    import torch.distributed as dist
+
+    from magistral_cli.ops.context_parallel import apply_context_parallel
+    from magistral_cli.ops.context_parallel.equivalence import cp_meshes_for
+    from magistral_cli.ops.vision_attention import apply_vision_attention, vision_attention_backend
+
+    _, groups = cp_meshes_for(mode)
+    device = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}[dist.get_backend()]
+    model = _build_model()
+    # The language model runs the CP attention, as in a CP training run; the tower must not.
+    apply_context_parallel(model, groups)
+    tower = _tower(model, device)
+    apply_vision_attention(tower, device)
+
+    cases = Cases()
+    cases.run("context-parallel group", lambda: _check_group(model, groups, mode, device))
+    backend = _cp_attention_in_the_tower if inject == "vision-uses-cp-attention" else None
+    _run_checks(
+        cases, tower, backend, forward_limit, gradient_limit, guard=lambda: _no_cp_communication(groups)
+    )
+    cases.run("replicated outputs", lambda: _check_replicated(tower, groups))
+    name = vision_attention_backend(device) if backend is None else backend.__name__
+    return {"cases": cases.cases, "backend": name}
+
+
+@contextlib.contextmanager
+def _no_cp_communication(groups) -> Iterator[dict[str, Any]]:
+    """The vision tower's CP state during a check: the CP group active, every CP collective
+    forbidden (it raises), and the rank's CP communication count unchanged afterwards."""
+    from magistral_cli.ops.context_parallel import (
+        context_parallel,
+        cp_communication_count,
+        forbid_cp_communication,
+    )
+
+    details: dict[str, Any] = {}
+    before = cp_communication_count()
+    with context_parallel(groups), forbid_cp_communication("the vision tower"):
+        yield details
+    made = cp_communication_count() - before
+    assert made == 0, f"the vision tower made {made} context-parallel communications"
+    details["vision_cp_communications"] = made
+
+
+def _check_group(model, groups, mode: str, device: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from magistral_cli.ops.context_parallel import ATTENTION_NAME as CP_ATTENTION
+    from magistral_cli.ops.context_parallel import cp_communication_count
+    from magistral_cli.ops.context_parallel.comm import sum_across_ranks
+
+    world = dist.get_world_size()
+    assert (groups.mode, groups.cp_size) == (mode, world), (
+        f"CP group {groups.mode} of {groups.cp_size} ranks, expected {mode} of {world}"
+    )
+    text, vision = model.config.text_config, model.config.vision_config
+    assert text._attn_implementation == CP_ATTENTION, "the language model does not use the CP attention"
+    assert vision._attn_implementation != CP_ATTENTION, "the vision tower uses the CP attention"
+    before = cp_communication_count()
+    total = sum_across_ranks(torch.ones((), device=device), groups.cp_group)
+    assert total.item() == world, f"a CP all-reduce of ones gave {total.item()}, expected {world}"
+    assert cp_communication_count() - before == 1, "the CP communication counter did not see an all-reduce"
+    return {"ulysses_size": groups.ulysses_size, "ring_size": groups.ring_size}
+
+
+def _check_replicated(tower, groups) -> dict[str, Any]:
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+
+    device = next(tower.parameters()).device
+    gen = torch.Generator().manual_seed(7)
+    pixels = torch.randn(2, 3, 16, 24, generator=gen).to(device=device, dtype=torch.bfloat16)
+    sizes = torch.tensor([[16, 16], [16, 24]], device=device)
+    with _no_cp_communication(groups), torch.no_grad():
+        output = tower(pixels, image_sizes=sizes).last_hidden_state
+    digest = hashlib.sha256(output.float().cpu().numpy().tobytes()).hexdigest()
+    digests: list[Any] = [None] * dist.get_world_size(groups.cp_group)
+    dist.all_gather_object(digests, digest, group=groups.cp_group)
+    assert len(set(digests)) == 1, (
+        f"the CP ranks computed different vision outputs ({len(set(digests))} distinct)"
+    )
+    return {"identical_on_ranks": len(digests)}
+
+
+def _cp_attention_in_the_tower(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Wrong on purpose (``inject``): the tower's attention goes through the CP attention,
+    which communicates over the CP group."""
+    from magistral_cli.ops.context_parallel import active_cp_groups, cp_attention
+
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return cp_attention(query, key, value, active_cp_groups(), scale).transpose(1, 2), None
+
+
+def evaluate(request: CpRequest, device: str, per_rank: list[dict[str, Any]]) -> ProbeResult:
+    """Merge every rank's cases: a case passes only if it passed on every rank."""
+    errors = [(rank, r) for rank, r in enumerate(per_rank) if "error" in r]
+    if errors:
+        rank, first = errors[0]
+        return ProbeResult(PROBE, device, request.mode, "FAIL", f"rank {rank} failed: {first['error']}", [])
+    merged = merge_rank_cases([r["cases"] for r in per_rank])
+    backend = per_rank[0]["backend"]
+    for case in merged:
+        case["backend"] = backend
+    cases = Cases()
+    cases.cases = merged
+    opts = request.options
+    return cases.result(
+        PROBE,
+        device,
+        request.mode,
+        f"on every rank of a {request.mode} CP group of {request.nproc} processes, {backend} matches "
+        f"per-image eager attention (forward <= {opts['forward_limit']}, gradients <= "
+        f"{opts['gradient_limit']}), keeps images isolated, gives identical outputs on every rank "
+        "and makes no CP communication",
     )

@@ -35,17 +35,68 @@ def test_all_json_passes_every_probe_on_the_cpu():
         ("vision-attention", "PASS"),
         ("split-copy", "PASS"),
         ("train-smoke", "PASS"),
+        ("cp-equivalence", "PASS"),
+        ("cp-equivalence", "PASS"),
+        ("cp-equivalence", "PASS"),
+    ]
+    equivalence = payload[3:]
+    assert [p["mode"] for p in equivalence] == ["ulysses", "ring", "hybrid"]
+    for p in equivalence:
+        assert {c["name"].split()[0] for c in p["cases"]} == {"fp32", "bf16"}
+        assert [c["processes"] for c in p["cases"]] == [4 if p["mode"] == "hybrid" else 2] * 8
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_context_parallel_modes_skip_without_the_device_and_require_device_fails_them():
+    for args in (["vision-attention", "--mode", "ring"], ["cp-equivalence", "--mode", "hybrid"]):
+        result = _invoke(*args, "--device", "cuda", "--json")
+        assert result.exit_code == 0, result.output
+        payload = json.loads(result.stdout)
+        assert payload["result"] == "SKIP" and "no CUDA device" in payload["reason"]
+        result = _invoke(*args, "--device", "cuda", "--json", "--require-device")
+        assert result.exit_code == 1
+        assert json.loads(result.stdout)["result"] == "FAIL"
+
+
+def test_cp_equivalence_options_reach_the_probe(monkeypatch):
+    import magistral_cli.probes as probes
+
+    calls = []
+
+    def record(name, device, mode, **options):
+        calls.append((name, device, mode, options))
+        return ProbeResult(name, device, mode, "PASS", "recorded", [{"name": "x", "result": "PASS"}])
+
+    monkeypatch.setattr(probes, "run_probe", record)
+    args = ("cp-equivalence", "--device", "cpu", "--json")
+    assert _invoke(*args).exit_code == 0
+    assert (
+        _invoke(*args, "--mode", "hybrid", "--nproc", "8", "--dtype", "bf16", "--chunk-loss").exit_code == 0
+    )
+    assert _invoke("vision-attention", "--mode", "ring", "--nproc", "3", "--device", "cpu").exit_code == 0
+    assert [(c[2], c[3].get("nproc"), c[3].get("dtypes"), c[3].get("chunk_loss")) for c in calls] == [
+        ("ulysses", None, None, False),
+        ("hybrid", 8, ("bf16",), True),
+        ("ring", 3, None, None),
     ]
 
 
-def test_context_parallel_mode_skips_and_require_device_fails_it():
-    result = _invoke("vision-attention", "--mode", "ring", "--device", "cpu", "--json")
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["result"] == "SKIP"
-    result = _invoke("vision-attention", "--mode", "ring", "--device", "cpu", "--json", "--require-device")
+def test_a_failing_cp_equivalence_exits_1_with_the_failed_case(monkeypatch):
+    import magistral_cli.probes as probes
+
+    def failing(name, device, mode, **options):
+        case = {
+            "name": "bf16 gradient relative L2",
+            "result": "FAIL",
+            "error": "gradient relative L2 0.2 >= 0.05",
+        }
+        return ProbeResult(name, device, mode, "FAIL", "1 of 8 cases failed", [case])
+
+    monkeypatch.setattr(probes, "run_probe", failing)
+    result = _invoke("cp-equivalence", "--mode", "ring", "--device", "cpu")
     assert result.exit_code == 1
-    payload = json.loads(result.stdout)
-    assert payload["result"] == "FAIL" and "context parallel is not available yet" in payload["reason"]
+    assert "probe failed: cp-equivalence (ring)" in result.output
+    assert "gradient relative L2 0.2 >= 0.05" in result.output
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
@@ -88,7 +139,15 @@ def test_a_crashing_probe_is_a_fail_not_a_traceback(monkeypatch):
         (["vision"], "unknown probe 'vision'"),
         (["train-smoke", "--mode", "ring"], "not a mode of train-smoke"),
         (["all", "--mode", "multi"], "runs each probe in its default mode"),
-        (["split-copy", "--nproc", "2"], "--nproc applies to train-smoke only"),
+        (["split-copy", "--nproc", "2"], "--nproc applies to train-smoke, cp-equivalence"),
+        (["vision-attention", "--nproc", "2"], "--nproc applies to train-smoke, cp-equivalence"),
+        (["cp-equivalence", "--mode", "hybrid", "--nproc", "2"], "hybrid needs an even number"),
+        (["cp-equivalence", "--nproc", "1"], "at least 2 processes"),
+        (["vision-attention", "--mode", "ulysses", "--nproc", "1"], "at least 2 processes"),
+        (["cp-equivalence", "--mode", "default"], "not a mode of cp-equivalence"),
+        (["cp-equivalence", "--dtype", "fp16"], "--dtype 'fp16' is not one of fp32, bf16"),
+        (["split-copy", "--chunk-loss"], "--dtype and --chunk-loss apply to cp-equivalence only"),
+        (["train-smoke", "--dtype", "bf16"], "--dtype and --chunk-loss apply to cp-equivalence only"),
         (["split-copy", "--device", "tpu"], "--device 'tpu'"),
     ],
 )

@@ -43,14 +43,12 @@ def test_a_zero_threshold_fails_the_numerics():
     assert "forward relative L2" in result["reason"]
 
 
-@pytest.mark.parametrize("mode", ["ulysses", "ring", "hybrid"])
-def test_context_parallel_modes_skip_until_available(mode):
-    result = run_probe("vision-attention", "cpu", mode).to_json()
-    assert (result["result"], result["reason"], result["cases"]) == (
-        "SKIP",
-        "context parallel is not available yet",
-        [],
-    )
+def test_context_parallel_options_are_refused_in_the_default_mode():
+    # The context-parallel modes themselves run in tests/probes/test_cp_probes.py.
+    with pytest.raises(ValueError, match="context-parallel modes only"):
+        run_vision_attention_probe("cpu", nproc=2)
+    with pytest.raises(ValueError, match="use inject"):
+        run_vision_attention_probe("cpu", "ring", backend=attention_across_images)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

@@ -1,0 +1,236 @@
+"""Context-parallel probe runs: one process group per world size, shared by several probes.
+
+A :class:`CpRequest` names a probe (``cp-equivalence`` or ``vision-attention``), a CP mode and
+a process count. :func:`run_cp_requests` spawns one group of rank processes per process count
+(gloo on the CPU, NCCL on CUDA, HCCL on NPU, one device per rank), runs every request of that
+size in it, and turns each request's per-rank results into a :class:`ProbeResult`: spawning
+and importing torch dominate on a small machine, so ``probe all`` and the tests pay them once
+per world size, not once per check.
+
+The jobs are plain dicts (they cross the process boundary by pickling): each probe module
+provides ``rank_job(request)`` (run on every rank, returns a JSON-able dict) and
+``evaluate(request, device, per_rank)`` (run in the parent, returns the ProbeResult).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .common import FAIL, ProbeResult, device_missing_reason, skip
+
+#: A rank that waits on a collective longer than this fails instead of hanging the probe.
+COLLECTIVE_TIMEOUT_S = 180
+#: The whole process group (start-up included) must be done within this.
+SPAWN_TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class CpRequest:
+    probe: str  # "cp-equivalence" or "vision-attention"
+    mode: str  # "ulysses", "ring" or "hybrid"
+    nproc: int
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def default_cp_nproc(mode: str) -> int:
+    """2 processes for ulysses and ring, 4 (2 x 2) for hybrid."""
+    return 4 if mode == "hybrid" else 2
+
+
+def check_cp_nproc(mode: str, nproc: int) -> str | None:
+    """None when ``mode`` can run on ``nproc`` processes, otherwise why not (and the fix)."""
+    if nproc < 2:
+        return f"--nproc {nproc}: context parallelism needs at least 2 processes"
+    if mode == "hybrid" and (nproc < 4 or nproc % 2):
+        return f"--nproc {nproc}: hybrid needs an even number of processes, at least 4 (2 Ulysses x ring)"
+    return None
+
+
+def _module(probe: str):
+    if probe == "cp-equivalence":
+        from . import cp_equivalence
+
+        return cp_equivalence
+    if probe == "vision-attention":
+        from . import vision_attention
+
+        return vision_attention
+    raise ValueError(f"no context-parallel jobs for probe {probe!r}")
+
+
+def run_cp_requests(device: str, requests: list[CpRequest]) -> list[ProbeResult]:
+    """Run ``requests`` on ``device`` (one spawn per distinct ``nproc``); results in request order.
+
+    A device that is missing, or has fewer devices than a request's ``nproc``, makes those
+    requests SKIP with the reason. A process group that fails as a whole makes its requests FAIL.
+    """
+    results: dict[int, ProbeResult] = {}
+    missing = device_missing_reason(device)
+    runnable: dict[int, list[int]] = {}
+    for i, request in enumerate(requests):
+        bad = check_cp_nproc(request.mode, request.nproc)
+        if bad:
+            raise ValueError(bad)
+        if missing:
+            results[i] = skip(request.probe, device, request.mode, missing)
+            continue
+        visible = _visible(device)
+        if visible is not None and visible < request.nproc:
+            results[i] = skip(
+                request.probe,
+                device,
+                request.mode,
+                f"{request.nproc} processes need {request.nproc} {device} devices, {visible} visible",
+            )
+            continue
+        runnable.setdefault(request.nproc, []).append(i)
+
+    for nproc, indices in runnable.items():
+        jobs = [_module(requests[i].probe).rank_job(requests[i]) for i in indices]
+        start = time.monotonic()
+        try:
+            per_rank = spawn_rank_jobs(device, nproc, jobs)
+        except Exception as exc:  # the group died (start-up, a killed rank, a timeout): every request fails
+            reason = f"the {nproc} rank processes failed: {type(exc).__name__}: {exc}"
+            for i in indices:
+                results[i] = ProbeResult(requests[i].probe, device, requests[i].mode, FAIL, reason, [])
+            continue
+        wall_s = round(time.monotonic() - start, 1)
+        for j, i in enumerate(indices):
+            request = requests[i]
+            ranks = [rank_results[j] for rank_results in per_rank]
+            result = _module(request.probe).evaluate(request, device, ranks)
+            for case in result.cases:
+                case.setdefault("processes", nproc)
+                case.setdefault("group_wall_s", wall_s)
+            results[i] = result
+    return [results[i] for i in range(len(requests))]
+
+
+# --------------------------------------------------------------------------- the rank processes
+
+
+def _visible(device: str) -> int | None:
+    """How many ``device`` devices this machine has (None on the CPU: processes need no device)."""
+    if device == "cpu":
+        return None
+    import torch
+
+    return torch.cuda.device_count() if device == "cuda" else torch.npu.device_count()
+
+
+def _rank_main(
+    rank: int, world_size: int, device: str, init_file: str, jobs: list[dict], out_dir: str
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[device]
+    kwargs: dict[str, Any] = {}
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        kwargs["device_id"] = torch.device("cuda", rank)
+    elif device == "npu":
+        import torch_npu  # noqa: F401
+
+        torch.npu.set_device(rank)
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        **kwargs,
+    )
+    try:
+        results = []
+        for job in jobs:
+            try:
+                results.append(_run_job(job))
+            except Exception as error:  # reported per job, so one failure does not hide the others
+                trace = traceback.format_exc(limit=-4).strip().splitlines()[-4:]
+                results.append({"error": f"{type(error).__name__}: {error}", "where": trace})
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results), encoding="utf-8")
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_job(job: dict) -> dict:
+    job = dict(job)
+    probe = job.pop("probe")
+    return _module(probe).run_rank_job(**job)
+
+
+def spawn_rank_jobs(device: str, world_size: int, jobs: list[dict], timeout_s: float = SPAWN_TIMEOUT_S):
+    """Run ``jobs`` on ``world_size`` fresh processes in one process group; every rank's results.
+
+    A job that raises gives ``{"error", "where"}`` in its place; a rank that dies, or a group
+    still running after ``timeout_s``, raises (the remaining processes are terminated).
+    """
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="magistral-cp-probe-") as tmp:
+        init_file = os.path.join(tmp, "init")
+        context = mp.start_processes(
+            _rank_main,
+            args=(world_size, device, init_file, jobs, tmp),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not context.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the rank processes ran past {timeout_s:.0f} s")
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.terminate()
+                    process.join(5)
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text(encoding="utf-8")) for r in range(world_size)]
+
+
+# --------------------------------------------------------------------------- combining the ranks
+
+
+def merge_rank_cases(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One case per name from every rank's cases (same names, same order on every rank).
+
+    PASS only if it passed on every rank; numbers are the worst (largest) over the ranks,
+    other values the first rank's; the error names the first failing rank.
+    """
+    merged = []
+    names = [c["name"] for c in per_rank[0]]
+    for rank, cases in enumerate(per_rank):
+        if [c["name"] for c in cases] != names:
+            raise ValueError(f"rank {rank} ran cases {[c['name'] for c in cases]}, rank 0 ran {names}")
+    for index, name in enumerate(names):
+        ranks = [cases[index] for cases in per_rank]
+        case: dict[str, Any] = {"name": name}
+        for key, value in ranks[0].items():
+            if key in ("name", "result", "error", "where"):
+                continue
+            values = [r.get(key) for r in ranks]
+            numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+            case[key] = max(values) if numeric else value
+        failing = [(rank, r) for rank, r in enumerate(ranks) if r.get("result") != "PASS"]
+        case["ranks"] = len(ranks)
+        if failing:
+            rank, first = failing[0]
+            case["result"] = FAIL
+            case["error"] = f"rank {rank}: {first.get('error', 'failed')}"
+            case["failed_ranks"] = [r for r, _ in failing]
+        else:
+            case["result"] = "PASS"
+        merged.append(case)
+    return merged
