@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
@@ -130,12 +129,54 @@ def resolve_tokenizer_source(model_dir: Path, source: str) -> Literal["official"
     raise UserError(f"unknown tokenizer_source {source!r}; use official, unsloth or auto")
 
 
-@lru_cache(maxsize=4)
-def _tekken_backend(path: str, digest: str):
-    # Converting a tekken vocabulary takes ~2 s; tests and the loader load the same file often.
-    from transformers.integrations.mistral.tokenizer import MistralConverter
+_BACKENDS: dict[tuple, object] = {}
 
-    return MistralConverter(path).converted().to_str()
+
+def _build_backend(path: str, digest: str, kind: str, fix_mistral_regex: bool, split_special_tokens: bool):
+    """The ``tokenizers.Tokenizer`` of a file, cached by content: building one takes seconds."""
+    key = (digest, kind, fix_mistral_regex, split_special_tokens)
+    if key not in _BACKENDS:
+        if len(_BACKENDS) >= 8:
+            _BACKENDS.pop(next(iter(_BACKENDS)))
+        sibling = _BACKENDS.get((digest, kind, fix_mistral_regex, not split_special_tokens))
+        if sibling is not None:  # same vocabulary, other split flag: copying is cheaper than converting
+            import tokenizers
+
+            backend = tokenizers.Tokenizer.from_str(sibling.to_str())
+        else:
+            backend = _read_backend(path, kind, fix_mistral_regex)
+        backend.encode_special_tokens = bool(split_special_tokens)
+        _BACKENDS[key] = backend
+    return _BACKENDS[key]
+
+
+def _read_backend(path: str, kind: str, fix_mistral_regex: bool):
+    import tokenizers
+
+    if kind == "official":
+        from transformers.integrations.mistral.tokenizer import MistralConverter
+
+        try:
+            backend = MistralConverter(path).converted()
+        except Exception as exc:  # the converter raises many kinds on a malformed file
+            raise UserError(f"cannot build a tokenizer from {path}: {exc}") from None
+    else:
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise UserError(f"{path} is not valid JSON ({exc})") from None
+        if fix_mistral_regex:
+            _fix_regex(data)
+        elif (pattern := _split_pattern(data)) is not None and pattern != TEKKEN_PATTERN:
+            raise UserError(
+                f"{path} splits text with a pre-tokenizer regex that differs from Tekken's, so its token ids "
+                "would not match the model's; set data.dataset_param.preprocess_parameters.fix_mistral_regex=true"
+            )
+        try:
+            backend = tokenizers.Tokenizer.from_str(json.dumps(data))
+        except Exception as exc:
+            raise UserError(f"cannot load {path}: {exc}") from None
+    return backend
 
 
 def _check_tekken_version(path: Path) -> None:
@@ -193,46 +234,21 @@ def load_tokenizer(
     the data (``[INST]``) map to their special ids, as Hugging Face tokenizers do; True encodes
     them as plain text, as mistral-common does.
     """
-    import tokenizers
-
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise UserError(
             f"model directory not found: {model_dir} (set data.dataset_param.preprocess_parameters.model_name_or_path)"
         )
     kind = resolve_tokenizer_source(model_dir, source)
+    path = model_dir / ("tekken.json" if kind == "official" else "tokenizer.json")
     if kind == "official":
-        path = model_dir / "tekken.json"
         _check_tekken_version(path)
-        digest = sha256_file(path)
-        try:
-            backend = tokenizers.Tokenizer.from_str(_tekken_backend(str(path.resolve()), digest))
-        except Exception as exc:  # the converter raises many kinds on a malformed file
-            raise UserError(f"cannot build a tokenizer from {path}: {exc}") from None
-        files = {"tekken.json": digest}
-    else:
-        path = model_dir / "tokenizer.json"
-        digest = sha256_file(path)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except ValueError as exc:
-            raise UserError(f"{path} is not valid JSON ({exc})") from None
-        if fix_mistral_regex:
-            _fix_regex(data)
-        elif (pattern := _split_pattern(data)) is not None and pattern != TEKKEN_PATTERN:
-            raise UserError(
-                f"{path} splits text with a pre-tokenizer regex that differs from Tekken's, so its token ids "
-                "would not match the model's; set data.dataset_param.preprocess_parameters.fix_mistral_regex=true"
-            )
-        try:
-            backend = tokenizers.Tokenizer.from_str(json.dumps(data))
-        except Exception as exc:
-            raise UserError(f"cannot load {path}: {exc}") from None
-        files = {"tokenizer.json": digest}
+    digest = sha256_file(path)
+    backend = _build_backend(str(path.resolve()), digest, kind, fix_mistral_regex, split_special_tokens)
+    files = {path.name: digest}
     # split_special_tokens and fix_mistral_regex change the ids: both are in the fingerprint via files.
     files["options"] = f"split_special_tokens={split_special_tokens},fix_mistral_regex={fix_mistral_regex}"
     special = check_special_tokens(backend, path)
-    backend.encode_special_tokens = bool(split_special_tokens)
     return TekkenTokenizer(backend, special, kind, files, split_special_tokens)
 
 
