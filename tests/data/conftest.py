@@ -37,7 +37,7 @@ def broken_dataset(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def make_recipe():
-    """Factory: make_recipe(model_dir, dataset, cache_dir, basic={...}, loader={...}, training={...})."""
+    """Factory: make_recipe(model_dir, dataset, cache_dir, basic=, pre=, loader=, training= {...})."""
     return _make_recipe
 
 
@@ -46,13 +46,14 @@ def _make_recipe(model_dir: Path, dataset: Path, cache_dir: Path, **basic):
     data_basic = {"dataset": str(dataset), "cache_dir": str(cache_dir), "cutoff_len": 1024}
     data_basic.update(basic.pop("basic", {}))
     loader = basic.pop("loader", {})
+    pre = {"model_name_or_path": str(model_dir), **basic.pop("pre", {})}
     training = {"train_iters": 10, "micro_batch_size": 2, "seed": 7}
     training.update(basic.pop("training", {}))
     return validate_recipe(
         {
             "data": {
                 "dataset_param": {
-                    "preprocess_parameters": {"model_name_or_path": str(model_dir)},
+                    "preprocess_parameters": pre,
                     "basic_parameters": data_basic,
                 },
                 "dataloader_param": loader,
