@@ -24,7 +24,13 @@ from .pixtral import ImageSettings, load_image_settings
 from .readers import Drop, RecordFormat, RowSource, read_rows
 from .report import build_report
 from .template import check_template
-from .tokenizer import TekkenTokenizer, check_against_model_config, load_tokenizer, sha256_file
+from .tokenizer import (
+    TekkenTokenizer,
+    check_against_model_config,
+    load_tokenizer,
+    sha256_file,
+    tokenizer_files,
+)
 
 
 @dataclass
@@ -35,7 +41,7 @@ class PreprocessPlan:
     dataset: Path
     dataset_dir: Path
     cache_dir: Path
-    tokenizer: TekkenTokenizer
+    tokenizer_options: tuple  # (source, fix_mistral_regex, split_special_tokens)
     settings: ImageSettings
     params: EncodeParams
     fmt: RecordFormat
@@ -45,6 +51,18 @@ class PreprocessPlan:
     overwrite: bool
     fingerprint_parts: dict = field(default_factory=dict)
     fingerprint: str = ""
+    _tokenizer: TekkenTokenizer | None = None
+
+    @property
+    def tokenizer(self) -> TekkenTokenizer:
+        """The checked tokenizer, built on first use (a cache hit never needs it)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.model_dir, *self.tokenizer_options)
+            config_path = self.model_dir / "config.json"
+            if config_path.is_file():
+                config = json.loads(config_path.read_text(encoding="utf-8"))
+                check_against_model_config(self._tokenizer.special, config, config_path)
+        return self._tokenizer
 
     @property
     def entry(self) -> Path:
@@ -90,7 +108,10 @@ def _resolve_paths(recipe) -> tuple[Path, Path, Path, Path]:
 
 
 def plan_preprocess(recipe, *, overwrite: bool | None = None) -> PreprocessPlan:
-    """Resolve paths, load and check the tokenizer and processor settings, compute the fingerprint."""
+    """Resolve paths and processor settings, identify the tokenizer, compute the fingerprint.
+
+    Cheap (file hashes, no tokenizer build), so that a cache hit costs well under a second.
+    """
     dp = recipe.data.dataset_param
     pre, basic = dp.preprocess_parameters, dp.basic_parameters
     check_template(basic.template)
@@ -105,15 +126,11 @@ def plan_preprocess(recipe, *, overwrite: bool | None = None) -> PreprocessPlan:
             f"dataset_type {dp.dataset_type!r} is not supported; use 'huggingface' (LLaVA/ShareGPT JSON)"
         )
     model_dir, dataset, dataset_dir, cache_dir = _resolve_paths(recipe)
-    tokenizer = load_tokenizer(
-        model_dir, pre.tokenizer_source, pre.fix_mistral_regex, pre.split_special_tokens
-    )
+    tokenizer_options = (pre.tokenizer_source, pre.fix_mistral_regex, pre.split_special_tokens)
+    _, _, tokenizer_ids = tokenizer_files(model_dir, *tokenizer_options)
     config_path = model_dir / "config.json"
     model_files: dict[str, str] = {}
     if config_path.is_file():
-        check_against_model_config(
-            tokenizer.special, json.loads(config_path.read_text(encoding="utf-8")), config_path
-        )
         model_files["config.json"] = sha256_file(config_path)
     for name in ("preprocessor_config.json", "processor_config.json"):
         if (model_dir / name).is_file():
@@ -126,7 +143,7 @@ def plan_preprocess(recipe, *, overwrite: bool | None = None) -> PreprocessPlan:
         dataset=dataset,
         dataset_dir=dataset_dir,
         cache_dir=cache_dir,
-        tokenizer=tokenizer,
+        tokenizer_options=tokenizer_options,
         settings=settings,
         params=params,
         fmt=fmt,
@@ -137,7 +154,7 @@ def plan_preprocess(recipe, *, overwrite: bool | None = None) -> PreprocessPlan:
     )
     plan.fingerprint_parts = {
         "dataset_sha256": sha256_file(dataset),
-        "tokenizer": tokenizer.files,
+        "tokenizer": tokenizer_ids,
         "model_files": model_files,
         "image_settings": settings.fingerprint_fields(),
         "encode": params.__dict__,
@@ -232,6 +249,7 @@ def run_preprocess(
                 _raise_strict(dataset.drops())
             return PreprocessResult(dataset, dataset.report, reused=True)
         started = time.perf_counter()
+        plan.tokenizer  # noqa: B018 -- build and check it before reading any row: fail fast
         rows = read_rows(plan.dataset, plan.max_samples)
         writer = cache_mod.CacheWriter()
         with _progress(show_progress, console, len(rows)) as advance:

@@ -234,6 +234,25 @@ def load_tokenizer(
     the data (``[INST]``) map to their special ids, as Hugging Face tokenizers do; True encodes
     them as plain text, as mistral-common does.
     """
+    kind, path, files = tokenizer_files(model_dir, source, fix_mistral_regex, split_special_tokens)
+    backend = _build_backend(
+        str(path.resolve()), files[path.name], kind, fix_mistral_regex, split_special_tokens
+    )
+    special = check_special_tokens(backend, path)
+    return TekkenTokenizer(backend, special, kind, files, split_special_tokens)
+
+
+def tokenizer_files(
+    model_dir: str | Path,
+    source: str = "auto",
+    fix_mistral_regex: bool = False,
+    split_special_tokens: bool = False,
+) -> tuple[Literal["official", "unsloth"], Path, dict[str, str]]:
+    """Which file the tokenizer comes from and what identifies it (hashes and options), cheaply.
+
+    This is what the cache fingerprint needs; building the tokenizer itself takes seconds and
+    is only done when rows are encoded.
+    """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise UserError(
@@ -243,13 +262,10 @@ def load_tokenizer(
     path = model_dir / ("tekken.json" if kind == "official" else "tokenizer.json")
     if kind == "official":
         _check_tekken_version(path)
-    digest = sha256_file(path)
-    backend = _build_backend(str(path.resolve()), digest, kind, fix_mistral_regex, split_special_tokens)
-    files = {path.name: digest}
-    # split_special_tokens and fix_mistral_regex change the ids: both are in the fingerprint via files.
+    files = {path.name: sha256_file(path)}
+    # split_special_tokens and fix_mistral_regex change the ids: both are part of the identity.
     files["options"] = f"split_special_tokens={split_special_tokens},fix_mistral_regex={fix_mistral_regex}"
-    special = check_special_tokens(backend, path)
-    return TekkenTokenizer(backend, special, kind, files, split_special_tokens)
+    return kind, path, files
 
 
 def check_special_tokens(backend, path: Path) -> SpecialIds:
