@@ -110,16 +110,19 @@ def build_train_dataloader(recipe, dataset: EncodedDataset, *, dp_rank: int, dp_
     _check_loader_options(recipe)
     dl = recipe.data.dataloader_param
     train = build_train_dataset(recipe, dataset)
-    sampler = RandomBatchSampler(
-        len(train),
-        batch_size=recipe.training.micro_batch_size,
-        num_replicas=dp_size,
-        rank=dp_rank,
-        shuffle=dl.shuffle,
-        seed=recipe.training.seed,
-        drop_last=dl.drop_last,
-        infinite=dl.infinite_sampler,
-    )
+    try:
+        sampler = RandomBatchSampler(
+            len(train),
+            batch_size=recipe.training.micro_batch_size,
+            num_replicas=dp_size,
+            rank=dp_rank,
+            shuffle=dl.shuffle,
+            seed=recipe.training.seed,
+            drop_last=dl.drop_last,
+            infinite=dl.infinite_sampler,
+        )
+    except ValueError as exc:
+        raise UserError(f"cannot batch the dataset {dataset.path}: {exc}") from None
     pad = int(dataset.meta["pad_token_id"])
     collator = PixtralCollator(pad, ignore_pad_token_for_loss=dl.collate_param.ignore_pad_token_for_loss)
     workers = dl.num_workers

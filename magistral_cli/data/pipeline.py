@@ -248,8 +248,8 @@ def run_preprocess(
             if strict and dataset.meta.get("dropped"):
                 _raise_strict(dataset.drops())
             return PreprocessResult(dataset, dataset.report, reused=True)
-        started = time.perf_counter()
         plan.tokenizer  # noqa: B018 -- build and check it before reading any row: fail fast
+        started = time.perf_counter()
         rows = read_rows(plan.dataset, plan.max_samples)
         writer = cache_mod.CacheWriter()
         with _progress(show_progress, console, len(rows)) as advance:

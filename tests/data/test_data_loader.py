@@ -242,3 +242,9 @@ def test_finite_epochs_roll_over_and_resume_after_the_last_batch(recipe_for, enc
     restored.load_state_dict(state)
     again = [b["input_ids"] for b in restored]
     assert all(torch.equal(a, b) for a, b in zip(epoch1, again, strict=True)) and len(again) == 10
+
+
+def test_too_few_samples_for_one_global_batch(recipe_for, encoded):
+    recipe = recipe_for(training={"micro_batch_size": 16})
+    with pytest.raises(UserError, match="do not fill one global batch of 48"):
+        build_train_dataloader(recipe, encoded, dp_rank=0, dp_size=3)
