@@ -151,33 +151,35 @@ def main() -> None:
         hf_dir = make_hf_model_dir(model_dir, work / "hf_model")
         runner = Path(__file__).with_name("_llamafactory_preprocess.py")
         env = dict(os.environ, DISABLE_VERSION_CHECK="1")
-        command = [
-            args.llamafactory_python,
-            str(runner),
-            str(work),
-            str(dataset),
-            str(args.workers),
-            str(args.cutoff_len),
-        ]
         assert hf_dir.is_dir()
-        runs = []
-        for _ in range(args.repeat):
-            done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-            if done.returncode != 0:
-                print(f"LLaMA-Factory: failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
-                sys.exit(1)
-            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        lf = min(runs, key=lambda run: run["seconds"])
-        print(
-            f"LLaMA-Factory get_dataset, {args.workers} worker(s): {lf['seconds']:.2f} s = {lf['samples_per_s']:.0f} "
-            f"samples/s, kept {lf['kept']} (best of {args.repeat})"
-        )
-        print(
-            "speed ratio magistral / LLaMA-Factory (same rows, same workers; >1 = magistral faster): "
-            f"encoding {lf['seconds'] / ours['encode_s']:.2f}x, "
-            f"cold end to end (incl. tokenizer build and hashing; theirs excludes tokenizer loading) "
-            f"{lf['seconds'] / ours['cold_s']:.2f}x, warm cache {lf['seconds'] / ours['warm_s']:.1f}x"
-        )
+        for workers in sorted(results):
+            command = [
+                args.llamafactory_python,
+                str(runner),
+                str(work),
+                str(dataset),
+                str(workers),
+                str(args.cutoff_len),
+            ]
+            runs = []
+            for _ in range(args.repeat):
+                done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+                if done.returncode != 0:
+                    print(f"LLaMA-Factory: failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+                    sys.exit(1)
+                runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            lf = min(runs, key=lambda run: run["seconds"])
+            r = results[workers]
+            print(
+                f"LLaMA-Factory get_dataset, {workers} worker(s): {lf['seconds']:.2f} s = {lf['samples_per_s']:.0f} "
+                f"samples/s, kept {lf['kept']} (best of {args.repeat})"
+            )
+            print(
+                f"  ratio magistral / LLaMA-Factory, {workers} worker(s) (>1 = magistral faster): "
+                f"encoding {lf['seconds'] / r['encode_s']:.2f}x; cold end to end {lf['seconds'] / r['cold_s']:.2f}x "
+                f"(ours includes building the tokenizer and hashing, theirs excludes loading it); "
+                f"warm cache {lf['seconds'] / r['warm_s']:.0f}x"
+            )
         # Token ids: rows without a system message must be identical (templates pixtral vs mistral).
         from magistral_cli.data.cache import EncodedDataset
 

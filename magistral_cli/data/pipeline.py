@@ -285,7 +285,7 @@ def run_preprocess(
             "dropped": len(writer.drops),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        cache_mod.CacheWriter.commit(writer, plan.entry, meta, report)
+        writer.commit(plan.entry, meta, report)
         return PreprocessResult(cache_mod.EncodedDataset(plan.entry), report, reused=False)
 
 
