@@ -69,7 +69,7 @@ def render_report(report: dict, console, *, entry: str, reused: bool) -> None:
     table.add_row("images", f"{report['images']} (images per sample {per})")
     if report.get("samples_per_s") is not None:
         table.add_row(
-            "speed",
+            "speed when encoded" if reused else "speed",
             f"{report['samples_per_s']} rows/s ({report['seconds']} s, {report['workers']} worker(s))",
         )
     console.print(table)
