@@ -1,16 +1,98 @@
-"""`magistral preprocess`."""
+"""`magistral preprocess`: encode a LLaVA/ShareGPT dataset into the fingerprinted cache, with a report."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated, List, Optional
+
 import typer
 
-from .pending import register_pending
+from .output import console, emit_json
+
+
+def preprocess(
+    recipe: Annotated[Path, typer.Argument(help="Recipe YAML (its data section).", show_default=False)],
+    overrides: Annotated[
+        Optional[List[str]],
+        typer.Argument(
+            help="Overrides such as data.dataset_param.basic_parameters.cutoff_len=4096.", show_default=False
+        ),
+    ] = None,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print the report as one JSON object on stdout.")
+    ] = False,
+    strict: Annotated[
+        bool,
+        typer.Option("--strict", help="Fail (exit 1) if any row would be dropped, naming the first one."),
+    ] = False,
+    inspect: Annotated[
+        int,
+        typer.Option(
+            "--inspect",
+            min=0,
+            help="Print the first N encoded samples decoded, special tokens visible, trained spans marked.",
+        ),
+    ] = 0,
+    export_jsonl: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--export-jsonl",
+            help="Write every kept sample (index, input_ids, labels, image_sizes, images) as JSON Lines.",
+        ),
+    ] = None,
+    overwrite_cache: Annotated[
+        bool, typer.Option("--overwrite-cache", help="Encode again even if the cache has this entry.")
+    ] = False,
+) -> None:
+    """Encode the dataset (Mistral template, Pixtral image tokens, truncation checks) into the cache.
+
+    A second run with the same dataset, tokenizer, processor and parameters reuses the cache
+    entry; any change makes a new one. The report (kept, dropped by reason, lengths, images,
+    speed) is also written as report.json beside the cache entry.
+    """
+    from magistral_cli.config.loader import load_recipe
+    from magistral_cli.data.inspection import export_jsonl as write_jsonl
+    from magistral_cli.data.inspection import inspect_samples, plain_text, rich_text
+    from magistral_cli.data.pipeline import plan_preprocess, run_preprocess
+    from magistral_cli.data.report import render_report
+
+    loaded = load_recipe(recipe, list(overrides or []))
+    plan = plan_preprocess(loaded, overwrite=True if overwrite_cache else None)
+    result = run_preprocess(loaded, show_progress=True, console=console, strict=strict, plan=plan)
+    dataset = result.dataset
+    if result.reused:
+        console.print(f"[green]cache hit:[/] reusing {dataset.path} (same dataset, tokenizer and parameters)")
+    render_report(result.report, console, entry=str(dataset.path), reused=result.reused)
+
+    inspected = inspect_samples(dataset, plan.tokenizer, inspect) if inspect else []
+    for item in inspected:
+        console.rule(
+            f"sample from row {item['index']}: {item['tokens']} tokens, {item['label_tokens']} trained"
+        )
+        console.print(rich_text(item["spans"]), soft_wrap=True)
+    if inspected:
+        console.print("[dim]dim: not trained (label -100); [bold green]green[/bold green]: trained[/]")
+
+    exported = None
+    if export_jsonl is not None:
+        exported = write_jsonl(dataset, export_jsonl)
+        console.print(f"exported {exported} samples to {export_jsonl}")
+
+    if json_out:
+        emit_json(
+            {
+                "cache_entry": str(dataset.path),
+                "fingerprint": dataset.fingerprint,
+                "reused": result.reused,
+                "report": result.report,
+                "inspect": [
+                    {k: v for k, v in item.items() if k != "spans"} | {"text": plain_text(item["spans"])}
+                    for item in inspected
+                ],
+                "exported": exported,
+            }
+        )
 
 
 def register(app: typer.Typer) -> None:
-    register_pending(
-        app,
-        "preprocess",
-        "Encode a LLaVA-style dataset into the cache, with a report.",
-        "dataset encoding and caching are planned.",
-    )
+    app.command(name="preprocess")(preprocess)

@@ -1,0 +1,67 @@
+"""Collator ``pixtral``: pads a micro-batch on the right and batches its images.
+
+Each item is a dict from :class:`magistral_cli.data.loader.TrainDataset`: ``input_ids``,
+``labels``, ``position_ids`` (int arrays of one length) and ``pixel_values`` (a list of
+[3, h, w] float arrays, in the order of the sample's ``[IMG]`` blocks). The batch:
+
+- ``input_ids`` [B, L], right padded with the pad id; ``labels`` [B, L], -100 on padding;
+  ``attention_mask`` [B, L], 1 on real tokens; ``position_ids`` [B, L] (restarting per packed
+  sample; padding continues counting so that it never looks like a new sequence);
+- ``pixel_values`` [N, 3, H_max, W_max] zero-padded at the bottom/right like the Pixtral
+  processor does, and ``image_sizes`` [N, 2] (height, width), images in the order their
+  ``[IMG]`` blocks appear in the flattened batch; both absent when the batch has no image.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .encoder import IGNORE_INDEX
+
+COLLATORS = ("pixtral",)
+
+
+class PixtralCollator:
+    def __init__(
+        self, pad_token_id: int, ignore_pad_token_for_loss: bool = True, pad_to_multiple_of: int = 1
+    ):
+        self.pad_token_id = int(pad_token_id)
+        self.label_pad = IGNORE_INDEX if ignore_pad_token_for_loss else int(pad_token_id)
+        self.pad_to_multiple_of = max(1, int(pad_to_multiple_of))
+
+    def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
+        longest = max(len(item["input_ids"]) for item in items)
+        length = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        batch = len(items)
+        input_ids = np.full((batch, length), self.pad_token_id, dtype=np.int64)
+        labels = np.full((batch, length), self.label_pad, dtype=np.int64)
+        attention = np.zeros((batch, length), dtype=np.int64)
+        positions = np.tile(np.arange(length, dtype=np.int64), (batch, 1))
+        images: list[np.ndarray] = []
+        for row, item in enumerate(items):
+            n = len(item["input_ids"])
+            input_ids[row, :n] = item["input_ids"]
+            labels[row, :n] = item["labels"]
+            attention[row, :n] = 1
+            pos = np.asarray(item["position_ids"], dtype=np.int64)
+            positions[row, :n] = pos
+            positions[row, n:] = np.arange(pos[-1] + 1, pos[-1] + 1 + length - n) if n else positions[row, n:]
+            images.extend(item["pixel_values"])
+        out = {
+            "input_ids": torch.from_numpy(input_ids),
+            "labels": torch.from_numpy(labels),
+            "attention_mask": torch.from_numpy(attention),
+            "position_ids": torch.from_numpy(positions),
+        }
+        if images:
+            height = max(image.shape[1] for image in images)
+            width = max(image.shape[2] for image in images)
+            pixels = np.zeros((len(images), 3, height, width), dtype=np.float32)
+            sizes = np.zeros((len(images), 2), dtype=np.int64)
+            for i, image in enumerate(images):
+                pixels[i, :, : image.shape[1], : image.shape[2]] = image
+                sizes[i] = image.shape[1:]
+            out["pixel_values"] = torch.from_numpy(pixels)
+            out["image_sizes"] = torch.from_numpy(sizes)
+        return out

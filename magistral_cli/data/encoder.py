@@ -1,0 +1,215 @@
+"""Encoding conversations into token ids and labels, with truncation that never cuts an image.
+
+Truncation to ``cutoff_len`` follows the seed's pipeline (LLaMA-Factory's supervised
+processor) token for token, so that a run here sees the same samples as the seed's baseline:
+turns are taken in order (last turn first with ``mask_history``) and each (prompt, response)
+pair is shortened by ``infer_seqlen``. A sample whose image tokens (``[IMG]``,
+``[IMG_BREAK]`` or ``[IMG_END]``) would be cut is dropped (the model would fail with "image
+features and image tokens do not match"), as is one with no label left to train on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import template
+from .pixtral import ImageSettings, image_token_ids, open_image_size, plan_image
+from .readers import Conversation, Drop, RecordFormat, RowSource, iter_segments, normalize_record
+from .tokenizer import SpecialIds, TekkenTokenizer
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class EncodeParams:
+    """The preprocessing parameters that change the encoded samples (all are fingerprinted)."""
+
+    cutoff_len: int
+    train_on_prompt: bool
+    mask_history: bool
+    enable_thinking: bool
+    default_system: str | None
+    dataset_dir: str
+
+    @classmethod
+    def from_recipe(cls, recipe, dataset_dir: Path) -> EncodeParams:
+        basic = recipe.data.dataset_param.basic_parameters
+        return cls(
+            cutoff_len=basic.cutoff_len,
+            train_on_prompt=basic.train_on_prompt,
+            mask_history=basic.mask_history,
+            enable_thinking=basic.enable_thinking,
+            default_system=basic.default_system,
+            dataset_dir=str(dataset_dir),
+        )
+
+
+@dataclass
+class EncodedSample:
+    """One training sample: ids, labels (aligned, -100 = not trained), its images."""
+
+    input_ids: np.ndarray  # int32 [L]
+    labels: np.ndarray  # int32 [L]
+    images: list[str]
+    image_sizes: np.ndarray  # int32 [n_images, 2] (height, width) after resizing
+    source_index: int
+    truncated: bool = False
+
+
+def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple[int, int]:
+    """LLaMA-Factory's split of the remaining budget between a turn's prompt and response."""
+    if target_len * 2 < cutoff_len:
+        max_target_len = cutoff_len
+    elif source_len * 2 < cutoff_len:
+        max_target_len = cutoff_len - source_len
+    else:
+        max_target_len = int(cutoff_len * (target_len / (source_len + target_len)))
+    new_target_len = min(max_target_len, target_len)
+    max_source_len = max(cutoff_len - new_target_len, 0)
+    new_source_len = min(max_source_len, source_len)
+    return new_source_len, new_target_len
+
+
+def truncate_pairs(
+    pairs: list[tuple[list[int], list[int]]], params: EncodeParams
+) -> tuple[list[int], list[int]]:
+    """Join (prompt, response) id pairs into ids and labels within ``cutoff_len``."""
+    input_ids: list[int] = []
+    labels: list[int] = []
+    total = 0
+    ordered = pairs[::-1] if params.mask_history else pairs  # last turns first with mask_history
+    for turn, (source, target) in enumerate(ordered):
+        if total >= params.cutoff_len:
+            break
+        source_len, target_len = infer_seqlen(len(source), len(target), params.cutoff_len - total)
+        source, target = source[:source_len], target[:target_len]
+        total += source_len + target_len
+        source_label = list(source) if params.train_on_prompt else [IGNORE_INDEX] * source_len
+        target_label = [IGNORE_INDEX] * target_len if params.mask_history and turn != 0 else list(target)
+        if params.mask_history:
+            input_ids = source + target + input_ids
+            labels = source_label + target_label + labels
+        else:
+            input_ids += source + target
+            labels += source_label + target_label
+    return input_ids, labels
+
+
+class Encoder:
+    """Encodes dataset rows; one per process (it holds the tokenizer)."""
+
+    def __init__(
+        self,
+        tokenizer: TekkenTokenizer,
+        settings: ImageSettings,
+        params: EncodeParams,
+        fmt: RecordFormat,
+    ):
+        self.tokenizer = tokenizer
+        self.special: SpecialIds = tokenizer.special
+        self.settings = settings
+        self.params = params
+        self.fmt = fmt
+        self.dataset_dir = Path(params.dataset_dir)
+        self._image_ids = (self.special.img, self.special.img_break, self.special.img_end)
+
+    # -- images --------------------------------------------------------------------------------
+    def _image_size(self, path: str) -> tuple[int, int] | Drop:
+        if not Path(path).is_file():
+            return Drop("missing_image", f"{path} does not exist")
+        try:
+            width, height = open_image_size(path)
+            plan = plan_image(width, height, self.settings)
+        except Exception as exc:  # PIL raises many kinds (UnidentifiedImageError, OSError, SyntaxError)
+            return Drop("unreadable_image", f"{path}: {type(exc).__name__}: {exc}")
+        return plan.height, plan.width
+
+    # -- rows ----------------------------------------------------------------------------------
+    def encode_rows(self, rows: list[RowSource]) -> list[EncodedSample | Drop]:
+        """Encode a batch of rows (text of the whole batch is tokenized in one call)."""
+        convs: list[Conversation | Drop] = [normalize_record(row, self.fmt, self.dataset_dir) for row in rows]
+        sizes: list[list[tuple[int, int]] | Drop | None] = []
+        texts: list[str] = []
+        for i, conv in enumerate(convs):
+            if isinstance(conv, Drop):
+                sizes.append(None)
+                continue
+            conv_sizes = []
+            for path in conv.images:
+                size = self._image_size(path)
+                if isinstance(size, Drop):
+                    convs[i] = size
+                    conv_sizes = None
+                    break
+                conv_sizes.append(size)
+            sizes.append(conv_sizes)
+            if conv_sizes is None:
+                continue
+            conv.system = template.system_prompt(
+                conv.system, self.params.default_system, self.params.enable_thinking
+            )
+            if conv.system is not None:
+                texts.append(conv.system)
+            for _, prompt, response in conv.turns:
+                texts.extend(piece for piece in iter_segments(prompt) if piece is not None)
+                texts.append(response)
+        encoded = iter(self.tokenizer.encode_batch(texts))
+        results: list[EncodedSample | Drop] = []
+        for row, conv, conv_sizes in zip(rows, convs, sizes, strict=True):
+            if isinstance(conv, Drop):
+                results.append(conv)
+            else:
+                results.append(self._assemble(row.index, conv, conv_sizes, encoded))
+        return results
+
+    def _assemble(self, index: int, conv: Conversation, image_sizes, encoded) -> EncodedSample | Drop:
+        special, tp = self.special, self.settings.token_pixels
+        system_ids = next(encoded) if conv.system is not None else None
+        sizes = iter(image_sizes)
+        pairs: list[tuple[list[int], list[int]]] = []
+        for turn, (role, prompt, _response) in enumerate(conv.turns):
+            content: list[int] = []
+            for piece in iter_segments(prompt):
+                if piece is None:
+                    height, width = next(sizes)
+                    content += image_token_ids(
+                        height, width, tp, special.img, special.img_break, special.img_end
+                    )
+                else:
+                    content += next(encoded)
+            source = template.prompt_ids(special, role, content)
+            if turn == 0:
+                source = template.prefix_ids(special, system_ids) + source
+            pairs.append((source, template.response_ids(special, next(encoded))))
+
+        full_length = sum(len(s) + len(t) for s, t in pairs)
+        input_ids, labels = truncate_pairs(pairs, self.params)
+        ids = np.asarray(input_ids, dtype=np.int32)
+        truncated = len(input_ids) < full_length
+        if truncated:
+            # Compare every image token kind: cutting right before [IMG_END] keeps the [IMG] count.
+            full = np.fromiter((t for s, tg in pairs for t in (*s, *tg)), dtype=np.int32, count=full_length)
+            for token in self._image_ids:
+                if int((full == token).sum()) != int((ids == token).sum()):
+                    return Drop(
+                        "image_tokens_truncated",
+                        f"the sample has {full_length} tokens; cutoff_len {self.params.cutoff_len} would cut its "
+                        "image tokens (raise cutoff_len or lower image_max_pixels)",
+                    )
+        label_array = np.asarray(labels, dtype=np.int32)
+        if not (label_array != IGNORE_INDEX).any():
+            return Drop(
+                "no_label_tokens",
+                f"the prompt fills cutoff_len {self.params.cutoff_len}; nothing left to train on",
+            )
+        return EncodedSample(
+            input_ids=ids,
+            labels=label_array,
+            images=list(conv.images),
+            image_sizes=np.asarray(image_sizes, dtype=np.int32).reshape(-1, 2),
+            source_index=index,
+            truncated=truncated,
+        )

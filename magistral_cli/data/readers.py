@@ -1,0 +1,269 @@
+"""Reading LLaVA / ShareGPT records into conversations, and the reasons a row is dropped.
+
+A dataset file is a JSON array of records or JSON Lines (one record per line). LLaVA/COCO
+records (the seed's data) look like::
+
+    {"images": ["coco/train2017/000000033471.jpg"],
+     "messages": [{"role": "user", "content": "<image>\\nWhat are the colors of the bus?"},
+                  {"role": "assistant", "content": "The bus is white and red."}]}
+
+ShareGPT records use ``conversations`` with ``from`` / ``value`` (``human``, ``gpt``, ...);
+``data.dataset_param.attr`` maps the column and role names. Every ``<image>`` placeholder
+takes the next image of the record, in order.
+
+Nothing here raises on a bad row: :func:`normalize_record` returns a :class:`Drop` naming
+the reason, so that the report can count them and ``--strict`` can name the row.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from magistral_cli.errors import UserError
+
+IMAGE_PLACEHOLDER = "<image>"
+
+#: Why a row was dropped (the keys of the report's "dropped" table).
+DROP_REASONS = {
+    "invalid_json": "the line is not valid JSON",
+    "invalid_record": "the record does not have the expected columns or types",
+    "unknown_role": "a message has a role that the attr mapping does not know",
+    "unsupported_role": "a message role the mistral template cannot encode (tool calls)",
+    "bad_turn_order": "messages do not alternate user/assistant (after an optional system message)",
+    "missing_assistant": "the conversation does not end with an assistant turn",
+    "empty_assistant": "an assistant turn is empty",
+    "image_count_mismatch": "the number of <image> placeholders differs from the number of images",
+    "image_in_assistant_turn": "an <image> placeholder is inside an assistant turn",
+    "missing_image": "an image file does not exist",
+    "unreadable_image": "an image file cannot be decoded",
+    "unsupported_video": "the record has videos (not supported for Magistral)",
+    "image_tokens_truncated": "cutoff_len would cut the sample inside image tokens",
+    "no_label_tokens": "after truncation no token is left to train on",
+}
+
+
+@dataclass(frozen=True)
+class Drop:
+    """A row that is not encoded, and why."""
+
+    reason: str
+    detail: str
+
+
+@dataclass
+class Conversation:
+    """A record in the template's terms: system prompt, (prompt, response) turns, image paths."""
+
+    system: str | None
+    turns: list[tuple[str, str, str]]  # (prompt role: user|observation, prompt text, response text)
+    images: list[str] = field(default_factory=list)  # resolved paths, in placeholder order
+
+
+@dataclass(frozen=True)
+class RowSource:
+    """One row of the dataset file: a parsed record, or the raw line that failed to parse."""
+
+    index: int
+    record: Any = None
+    error: str | None = None
+
+
+def read_rows(path: str | Path, max_samples: int | None = None) -> list[RowSource]:
+    """Rows of a JSON array or JSON Lines file (the format is sniffed from the first character).
+
+    A JSON array that does not parse is an error for the whole file (there are no rows to
+    keep); in JSON Lines each bad line becomes a row that is dropped as ``invalid_json``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"dataset not found: {path} (set data.dataset_param.basic_parameters.dataset)")
+    text = path.read_text(encoding="utf-8-sig")
+    stripped = text.lstrip()
+    rows: list[RowSource] = []
+    if stripped.startswith("["):
+        try:
+            records = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise UserError(
+                f"{path} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
+                "fix it, or write one record per line (JSON Lines) so that bad lines are skipped"
+            ) from None
+        for index, record in enumerate(records[:max_samples] if max_samples else records):
+            rows.append(RowSource(index, record))
+        return rows
+    index = 0
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        if max_samples is not None and index >= max_samples:
+            break
+        try:
+            rows.append(RowSource(index, json.loads(line)))
+        except json.JSONDecodeError as exc:
+            rows.append(RowSource(index, None, f"line {lineno}: {exc.msg} at column {exc.colno}"))
+        index += 1
+    if not rows:
+        raise UserError(f"{path} holds no records")
+    return rows
+
+
+@dataclass(frozen=True)
+class RecordFormat:
+    """Resolved column and role names (from ``data.dataset_param.attr``)."""
+
+    messages: str
+    images: str | None
+    videos: str | None
+    system: str | None
+    role_tag: str
+    content_tag: str
+    user: str
+    assistant: str
+    observation: str
+    function: str
+    system_role: str
+    sharegpt_fallback: bool  # auto: use ``conversations`` with from/value when ``messages`` is absent
+
+    @classmethod
+    def from_attr(cls, attr) -> RecordFormat:
+        if attr.formatting == "alpaca":
+            raise UserError(
+                "data.dataset_param.attr.formatting 'alpaca' is not supported; use LLaVA 'messages' or "
+                "ShareGPT 'conversations' records"
+            )
+        return cls(
+            messages=attr.messages,
+            images=attr.images,
+            videos=attr.videos,
+            system=attr.system,
+            role_tag=attr.role_tag,
+            content_tag=attr.content_tag,
+            user=attr.user_tag,
+            assistant=attr.assistant_tag,
+            observation=attr.observation_tag or "observation",
+            function=attr.function_tag or "function_call",
+            system_role=attr.system_tag or "system",
+            sharegpt_fallback=attr.formatting == "auto" and "messages" not in attr.model_fields_set,
+        )
+
+    def fingerprint_fields(self) -> dict:
+        return self.__dict__.copy()
+
+
+_SHAREGPT = {"role_tag": "from", "content_tag": "value", "user": "human", "assistant": "gpt"}
+
+
+def _resolve_image(path: Any, dataset_dir: Path) -> str | Drop:
+    if isinstance(path, dict):  # {"path": ...} as some exports write
+        path = path.get("path")
+    if not isinstance(path, str) or not path:
+        return Drop("invalid_record", f"image entry {path!r} is not a path")
+    resolved = Path(path) if Path(path).is_absolute() else dataset_dir / path
+    return str(resolved)
+
+
+def normalize_record(row: RowSource, fmt: RecordFormat, dataset_dir: Path) -> Conversation | Drop:
+    """Turn one record into a :class:`Conversation`, or say why it cannot be used."""
+    if row.error is not None:
+        return Drop("invalid_json", row.error)
+    record = row.record
+    if not isinstance(record, dict):
+        return Drop("invalid_record", f"record is a {type(record).__name__}, not an object")
+
+    tags = {
+        "role_tag": fmt.role_tag,
+        "content_tag": fmt.content_tag,
+        "user": fmt.user,
+        "assistant": fmt.assistant,
+    }
+    messages = record.get(fmt.messages)
+    if messages is None and fmt.sharegpt_fallback and "conversations" in record:
+        messages = record["conversations"]
+        tags = dict(_SHAREGPT)
+    if not isinstance(messages, list) or not messages:
+        return Drop("invalid_record", f"column {fmt.messages!r} is missing or not a non-empty list")
+
+    if fmt.videos and record.get(fmt.videos):
+        return Drop("unsupported_video", f"{len(record[fmt.videos])} video(s)")
+
+    system = record.get(fmt.system) if fmt.system else None
+    if system is not None and not isinstance(system, str):
+        return Drop("invalid_record", f"column {fmt.system!r} is not a string")
+
+    prompt_roles = {tags["user"]: "user", fmt.observation: "observation"}
+    parsed: list[tuple[str, str]] = []
+    for position, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return Drop("invalid_record", f"message {position} is not an object")
+        role, content = message.get(tags["role_tag"]), message.get(tags["content_tag"])
+        if not isinstance(content, str):
+            return Drop("invalid_record", f"message {position} has no text {tags['content_tag']!r}")
+        if role == fmt.system_role and position == 0:
+            system = content
+            continue
+        if role in prompt_roles:
+            parsed.append((prompt_roles[role], content))
+        elif role == tags["assistant"]:
+            parsed.append(("assistant", content))
+        elif role == fmt.function:
+            return Drop("unsupported_role", f"message {position} is a tool call ({role!r})")
+        else:
+            known = sorted({tags["user"], tags["assistant"], fmt.observation, fmt.system_role})
+            return Drop("unknown_role", f"message {position} has role {role!r} (known: {', '.join(known)})")
+
+    turns: list[tuple[str, str, str]] = []
+    for i in range(0, len(parsed), 2):
+        prompt_role, prompt = parsed[i]
+        if prompt_role == "assistant":
+            return Drop("bad_turn_order", f"message {i} is an assistant turn where a user turn was expected")
+        if i + 1 >= len(parsed):
+            return Drop("missing_assistant", f"the last turn ({prompt_role}) has no assistant reply")
+        response_role, response = parsed[i + 1]
+        if response_role != "assistant":
+            return Drop(
+                "bad_turn_order",
+                f"message {i + 1} is a {response_role} turn where an assistant turn was expected",
+            )
+        if not response.strip():
+            return Drop("empty_assistant", f"assistant turn {i // 2} is empty")
+        if IMAGE_PLACEHOLDER in response:
+            return Drop("image_in_assistant_turn", f"assistant turn {i // 2} contains {IMAGE_PLACEHOLDER}")
+        turns.append((prompt_role, prompt, response))
+    if not turns:
+        return Drop("missing_assistant", "the conversation has no user/assistant turn")
+
+    raw_images = record.get(fmt.images) if fmt.images else None
+    if raw_images is None:
+        raw_images = []
+    elif isinstance(raw_images, str):
+        raw_images = [raw_images]
+    elif not isinstance(raw_images, list):
+        return Drop("invalid_record", f"column {fmt.images!r} is not a list of paths")
+    placeholders = sum(prompt.count(IMAGE_PLACEHOLDER) for _, prompt, _ in turns)
+    if system and IMAGE_PLACEHOLDER in system:
+        return Drop("image_count_mismatch", "the system prompt contains an <image> placeholder")
+    if placeholders != len(raw_images):
+        return Drop(
+            "image_count_mismatch", f"{placeholders} <image> placeholder(s) but {len(raw_images)} image(s)"
+        )
+    images: list[str] = []
+    for raw in raw_images:
+        resolved = _resolve_image(raw, dataset_dir)
+        if isinstance(resolved, Drop):
+            return resolved
+        images.append(resolved)
+    return Conversation(system=system, turns=turns, images=images)
+
+
+def iter_segments(text: str) -> Iterator[str | None]:
+    """Split ``text`` at ``<image>``: yields text pieces, and None where an image goes."""
+    parts = text.split(IMAGE_PLACEHOLDER)
+    for i, part in enumerate(parts):
+        if i:
+            yield None
+        if part:
+            yield part

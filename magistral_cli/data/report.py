@@ -1,0 +1,84 @@
+"""The preprocessing report: kept, dropped by reason, lengths, images, speed."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from .readers import DROP_REASONS
+
+#: Dropped rows listed per reason in the report (the full list is drops.jsonl).
+EXAMPLES_PER_REASON = 5
+
+
+def build_report(writer, *, rows: int, seconds: float, cutoff_len: int, workers: int) -> dict:
+    """Summary numbers of one preprocessing run (``writer`` is the filled CacheWriter)."""
+    lengths = np.asarray(writer.lengths, dtype=np.int64)
+    by_reason = Counter(d["reason"] for d in writer.drops)
+    examples: dict[str, list[dict]] = {}
+    for drop in writer.drops:
+        bucket = examples.setdefault(drop["reason"], [])
+        if len(bucket) < EXAMPLES_PER_REASON:
+            bucket.append({"index": drop["index"], "detail": drop["detail"]})
+    percentiles = {}
+    if len(lengths):
+        for p in (0, 50, 90, 99, 100):
+            percentiles[f"p{p}"] = int(np.percentile(lengths, p, method="nearest"))
+    images = Counter(writer.images_per_sample)
+    return {
+        "rows": rows,
+        "kept": len(lengths),
+        "dropped": len(writer.drops),
+        "dropped_by_reason": dict(sorted(by_reason.items())),
+        "drop_examples": examples,
+        "truncated": writer.truncated,
+        "tokens": int(lengths.sum()),
+        "label_tokens": writer.label_tokens,
+        "length_percentiles": percentiles,
+        "cutoff_len": cutoff_len,
+        "images": len(writer.images),
+        "images_per_sample": {str(k): v for k, v in sorted(images.items())},
+        "seconds": round(seconds, 3),
+        "samples_per_s": round(rows / seconds, 1) if seconds > 0 else None,
+        "workers": workers,
+    }
+
+
+def render_report(report: dict, console, *, entry: str, reused: bool) -> None:
+    """The report as rich tables on ``console``."""
+    from rich.table import Table
+
+    title = "preprocess: cache reused" if reused else "preprocess: encoded"
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    table.add_row("cache entry", entry)
+    table.add_row("rows read", str(report["rows"]))
+    table.add_row("kept", f"[green]{report['kept']}[/]")
+    table.add_row("dropped", f"[red]{report['dropped']}[/]" if report["dropped"] else "0")
+    table.add_row("truncated (kept)", str(report["truncated"]))
+    table.add_row("tokens", f"{report['tokens']} ({report['label_tokens']} trained)")
+    pct = report["length_percentiles"]
+    if pct:
+        table.add_row(
+            "length p0/p50/p90/p99/max",
+            f"{pct['p0']} / {pct['p50']} / {pct['p90']} / {pct['p99']} / {pct['p100']} (cutoff_len {report['cutoff_len']})",
+        )
+    per = ", ".join(f"{k}: {v}" for k, v in report["images_per_sample"].items())
+    table.add_row("images", f"{report['images']} (images per sample {per})")
+    if report.get("samples_per_s") is not None:
+        table.add_row(
+            "speed when encoded" if reused else "speed",
+            f"{report['samples_per_s']} rows/s ({report['seconds']} s, {report['workers']} worker(s))",
+        )
+    console.print(table)
+    if report["dropped_by_reason"]:
+        drops = Table(title="dropped rows by reason", title_justify="left")
+        drops.add_column("reason", style="bold red")
+        drops.add_column("rows", justify="right")
+        drops.add_column("first rows (index: detail)")
+        for reason, count in report["dropped_by_reason"].items():
+            shown = "\n".join(f"{e['index']}: {e['detail']}" for e in report["drop_examples"].get(reason, []))
+            drops.add_row(f"{reason}\n[dim]{DROP_REASONS.get(reason, '')}[/]", str(count), shown)
+        console.print(drops)

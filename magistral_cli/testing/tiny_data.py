@@ -1,0 +1,215 @@
+"""Tokenizer files and synthetic LLaVA datasets for tests, benchmarks and the quickstart.
+
+The tokenizer is the real Tekken vocabulary that mistral-common ships
+(``mistral_common/data/tekken_240911.json``), with two fields set the way
+Magistral-Small-2509's own ``tekken.json`` has them: a tokenizer version that writes system
+prompts as ``[SYSTEM_PROMPT]`` blocks, and the image section (patch 14, spatial merge 2,
+longest edge 1540: one image token per 28x28 pixels).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+#: Tokenizer version written into the tiny tekken.json: v7 is the first with [SYSTEM_PROMPT]
+#: blocks, and the newest that mistral-common accepts without an explicit special-token table.
+TINY_TEKKEN_VERSION = "v7"
+TINY_IMAGE_SECTION = {"image_patch_size": 14, "max_image_size": 1540, "spatial_merge_size": 2}
+
+
+def tekken_path() -> Path:
+    """The Tekken vocabulary file that mistral-common ships."""
+    import mistral_common
+
+    path = Path(mistral_common.__file__).parent / "data" / "tekken_240911.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall mistral-common")
+    return path
+
+
+def write_tiny_tokenizer_files(model_dir: str | Path) -> Path:
+    """Put ``tekken.json`` into ``model_dir`` (which already has config.json); returns its path.
+
+    The processor settings come from tekken.json's image section (and config.json), as with the
+    official files: no third-party preprocessor_config.json is needed.
+    """
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    data = json.loads(tekken_path().read_text(encoding="utf-8"))
+    data["config"]["version"] = TINY_TEKKEN_VERSION
+    data["image"] = dict(TINY_IMAGE_SECTION)
+    out = model_dir / "tekken.json"
+    out.write_text(json.dumps(data), encoding="utf-8")
+    return out
+
+
+_QUESTIONS = [
+    "What is in this picture?",
+    "Describe the colors you see.",
+    "How many shapes are there?",
+    "Is this image bright or dark?",
+    "What would you call this pattern?",
+]
+_ANSWERS = [
+    "A synthetic test pattern made of colored rectangles.",
+    "Mostly {c} with a few darker stripes.",
+    "There are {n} rectangles of different sizes.",
+    "It looks fairly {b}, with sharp edges between the regions.",
+    "A grid of blocks, like a simple mosaic.",
+]
+
+
+def _image(rng: random.Random, width: int, height: int):
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (width, height), tuple(rng.randrange(256) for _ in range(3)))
+    draw = ImageDraw.Draw(image)
+    for _ in range(rng.randrange(2, 6)):
+        x0, y0 = rng.randrange(width), rng.randrange(height)
+        x1, y1 = rng.randrange(x0, width + 1), rng.randrange(y0, height + 1)
+        draw.rectangle([x0, y0, x1, y1], fill=tuple(rng.randrange(256) for _ in range(3)))
+    return image
+
+
+def write_synthetic_llava_dataset(
+    directory: str | Path,
+    n_samples: int,
+    *,
+    broken_rows: bool = False,
+    seed: int = 0,
+    image_sizes: list[tuple[int, int]] | None = None,
+) -> Path:
+    """Write ``n_samples`` LLaVA-style records (JSON Lines) and their PNG/JPEG images.
+
+    Images have varied sizes (some need resizing, a few are text-only samples, some samples
+    have two images or two turns). With ``broken_rows`` these rows are appended, one each:
+    an invalid JSON line, a missing image, a placeholder/image count mismatch, an empty
+    assistant turn, an unknown role, and an over-long sample whose image would be cut by a
+    cutoff_len of 1024. Returns the path of ``data.jsonl``; image paths are relative to
+    ``directory`` (the recipe's ``dataset_dir``).
+    """
+    directory = Path(directory)
+    (directory / "images").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    sizes = image_sizes or [(56, 56), (84, 140), (224, 168), (300, 200), (640, 480), (97, 61), (1000, 700)]
+    lines: list[str] = []
+    colors = ["red", "green", "blue", "orange", "purple"]
+    image_count = 0
+
+    def new_image() -> str:
+        nonlocal image_count
+        width, height = sizes[rng.randrange(len(sizes))]
+        ext = "jpg" if image_count % 3 == 0 else "png"
+        name = f"images/{image_count:06d}.{ext}"
+        _image(rng, width, height).save(directory / name)
+        image_count += 1
+        return name
+
+    for i in range(n_samples):
+        kind = i % 10
+        q = rng.choice(_QUESTIONS)
+        a = rng.choice(_ANSWERS).format(
+            c=rng.choice(colors), n=rng.randrange(2, 9), b=rng.choice(["bright", "dark"])
+        )
+        if kind == 9:  # text only, two turns
+            record = {
+                "messages": [
+                    {"role": "user", "content": f"Question {i}: what is {i} plus {i}?"},
+                    {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."},
+                    {"role": "user", "content": "And doubled?"},
+                    {"role": "assistant", "content": f"That gives {4 * i}."},
+                ],
+                "images": [],
+            }
+        elif kind == 7:  # two images in one turn
+            record = {
+                "messages": [
+                    {"role": "user", "content": f"<image><image>\nCompare the two pictures ({i})."},
+                    {"role": "assistant", "content": a},
+                ],
+                "images": [new_image(), new_image()],
+            }
+        elif kind == 5:  # system prompt and a second turn with an image
+            record = {
+                "messages": [
+                    {"role": "system", "content": "You describe synthetic images briefly."},
+                    {"role": "user", "content": f"<image>\n{q}"},
+                    {"role": "assistant", "content": a},
+                    {"role": "user", "content": "And this one? <image>"},
+                    {"role": "assistant", "content": "Another pattern of rectangles."},
+                ],
+                "images": [new_image(), new_image()],
+            }
+        else:
+            record = {
+                "messages": [
+                    {"role": "user", "content": f"<image>\n{q}"},
+                    {"role": "assistant", "content": a},
+                ],
+                "images": [new_image()],
+            }
+        lines.append(json.dumps(record))
+
+    if broken_rows:
+        lines.append('{"messages": [{"role": "user", "content": "unterminated"')  # invalid JSON
+        lines.append(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": "<image>\nWhat is this?"},
+                        {"role": "assistant", "content": "Nothing."},
+                    ],
+                    "images": ["images/does_not_exist.png"],
+                }
+            )
+        )
+        lines.append(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": "<image><image>\nTwo placeholders, one image."},
+                        {"role": "assistant", "content": "Mismatch."},
+                    ],
+                    "images": [new_image()],
+                }
+            )
+        )
+        lines.append(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": "<image>\nSay nothing."},
+                        {"role": "assistant", "content": "   "},
+                    ],
+                    "images": [new_image()],
+                }
+            )
+        )
+        lines.append(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "narrator", "content": "Once upon a time."},
+                        {"role": "assistant", "content": "The end."},
+                    ],
+                    "images": [],
+                }
+            )
+        )
+        long_text = " ".join(f"word{k}" for k in range(1500))
+        lines.append(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"{long_text}\n<image>\nSummarize."},
+                        {"role": "assistant", "content": "Too long to keep whole."},
+                    ],
+                    "images": [new_image()],
+                }
+            )
+        )
+    out = directory / "data.jsonl"
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return out
