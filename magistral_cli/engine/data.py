@@ -13,7 +13,6 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from magistral_cli.config.schema import Recipe
-from magistral_cli.errors import UserError
 
 SYNTHETIC = "synthetic"
 
@@ -42,13 +41,8 @@ def build_data(recipe: Recipe, *, dp_rank: int, dp_size: int, vocab_size: int) -
             dp_size=dp_size,
             seed=training.seed,
         )
-    try:
-        from magistral_cli.data.loader import build_train_dataloader, prepare_dataset
-    except ImportError as exc:
-        raise UserError(
-            f"the data pipeline is not available in this installation ({exc}); "
-            "set data.dataset_param.dataset_type=synthetic to train on synthetic batches"
-        ) from None
+    from magistral_cli.data.loader import build_train_dataloader, prepare_dataset
+
     # Rank 0 encodes (or finds the cache); the others then read the cache it wrote.
     rank = dist.get_rank() if dist.is_initialized() else 0
     dataset = None
