@@ -1,16 +1,56 @@
-"""`magistral quickstart`."""
+"""`magistral quickstart`: the whole workflow on a tiny model on the CPU."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
-from .pending import register_pending
+from .output import console, emit_json
+
+
+def quickstart(
+    workdir: Annotated[
+        Path, typer.Option("--workdir", help="Where the tiny model, data, cache and runs go.")
+    ] = Path("quickstart"),
+    steps: Annotated[
+        int, typer.Option("--steps", min=2, help="Training steps (checkpoint and resume half-way).")
+    ] = 10,
+    nproc: Annotated[int, typer.Option("--nproc", min=1, help="CPU processes under torchrun.")] = 2,
+    probes: Annotated[
+        bool, typer.Option("--probes/--no-probes", help="End with `magistral probe all`.")
+    ] = True,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print the summary as one JSON object on stdout.")
+    ] = False,
+) -> None:
+    """Run fetch-free assets -> convert -> preprocess -> train -> resume -> export -> compare -> probe on the CPU."""
+    from magistral_cli.quickstart import QuickstartOptions, StepRecord, run_quickstart
+
+    def progress(step: StepRecord) -> None:
+        console.print(
+            f"[bold green]{step.name:>10}[/] [dim]{step.seconds:6.1f} s[/]  {step.detail}", soft_wrap=True
+        )
+
+    console.print(
+        f"[bold]magistral quickstart[/]: the whole workflow on a tiny Mistral3 on the CPU, in {workdir}/"
+    )
+    summary = run_quickstart(
+        QuickstartOptions(workdir=workdir, steps=steps, nproc=nproc, probes=probes), console, progress
+    )
+    console.print(
+        f"\n[bold green]quickstart passed[/] in {summary['wall_s']} s. Outputs in {summary['outputs']}:"
+    )
+    for name, path in summary["runs"].items():
+        console.print(f"  {name:<10} {path}  (metrics.jsonl, checkpoints/, logs/)")
+    console.print(f"  {'export':<10} {summary['export']}  (HF safetensors, loads with from_pretrained)")
+    console.print(
+        f"Next: magistral compare {summary['runs']['train']} {summary['runs']['optimized']} --plot compare.png"
+    )
+    if json_out:
+        emit_json(summary)
 
 
 def register(app: typer.Typer) -> None:
-    register_pending(
-        app,
-        "quickstart",
-        "Run the whole workflow on a tiny model on the CPU.",
-        "the quickstart needs the training engine; try 'magistral train recipes/tiny/tiny_cpu.yaml --dry-run'.",
-    )
+    app.command(name="quickstart")(quickstart)

@@ -1,0 +1,314 @@
+"""The whole workflow on a tiny model on the CPU: the main job of a machine without accelerators.
+
+Steps, each with the real component (no network, no accelerator):
+
+1. assets    a tiny Mistral3 in the official HF layout (two shards and an index), the real Tekken
+             tokenizer from mistral-common's package data, a synthetic LLaVA dataset (PIL images)
+2. convert   HF -> DCP (fsdp2 layout) and key/shape validation against config.json
+3. preprocess  the dataset into the fingerprinted cache (a second quickstart reuses it)
+4. train     ``magistral train recipes/tiny/tiny_cpu.yaml`` with 2 CPU processes under torchrun,
+             checkpointing half-way and at the end
+5. resume    a second launch continues from the half-way checkpoint; its losses must equal the
+             first run's step for step (fp32 on the CPU)
+6. optimized the same steps with the optimization recipe (chunked loss, recompute, prefetch, GC freeze)
+7. export    the final checkpoint -> HF safetensors, loaded back with transformers
+8. probe / compare  ``magistral probe all`` and ``magistral compare`` of the plain and optimized runs
+
+Shared inputs (model, data, cache) live in ``WORKDIR``; each quickstart's outputs go to
+``WORKDIR/<timestamp>/`` so a second quickstart never overwrites the first.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from magistral_cli.errors import CheckFailed, UserError
+
+REPO_RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "tiny"
+PLAIN_RECIPE = "tiny_cpu.yaml"
+OPTIMIZED_RECIPE = "tiny_cpu_optimized.yaml"
+
+#: Small images keep the quickstart fast: 2x2 to 5x4 image tokens each.
+QUICKSTART_IMAGE_SIZES = [(56, 56), (84, 112), (112, 84), (140, 112), (56, 140)]
+
+
+@dataclass
+class QuickstartOptions:
+    workdir: Path = Path("quickstart")
+    steps: int = 10
+    nproc: int = 2
+    samples: int = 64
+    probes: bool = True
+
+
+@dataclass
+class StepRecord:
+    name: str
+    seconds: float
+    detail: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def recipe_path(name: str) -> Path:
+    """A tiny recipe shipped with the source tree."""
+    path = REPO_RECIPES / name
+    if not path.is_file():
+        raise UserError(
+            f"the tiny recipe {path} is missing; run the quickstart from a source checkout of magistral-cli "
+            "(pip install -e .)"
+        )
+    return path
+
+
+def _launch(recipe: Path, overrides: list[str], nproc: int, console) -> Path:
+    from magistral_cli.launch.launcher import LaunchOptions, plan_launch, run_launch
+
+    plan = plan_launch(recipe, overrides, LaunchOptions(nproc_per_node=nproc))
+    console.print(f"  [dim]{plan.command_line}[/]", soft_wrap=True)
+    code = run_launch(plan, console)
+    if code != 0:
+        raise CheckFailed(
+            f"training failed with exit status {code}; per-rank logs in {plan.run_dir / 'logs'}"
+        )
+    return plan.run_dir
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            record = json.loads(line)
+            out[int(record["step"])] = float(record["loss"])
+    return out
+
+
+def write_assets(workdir: Path, samples: int) -> dict[str, Path]:
+    """The tiny model (official layout), its tokenizer files and the synthetic dataset."""
+    from magistral_cli.testing.tiny_data import write_synthetic_llava_dataset, write_tiny_tokenizer_files
+    from magistral_cli.testing.tiny_model import build_tiny_model, save_official_checkpoint
+
+    model_dir, data_dir = workdir / "model", workdir / "data"
+    if not (model_dir / "model.safetensors.index.json").is_file():
+        staging = workdir / "model.partial"
+        if staging.exists():
+            import shutil
+
+            shutil.rmtree(staging)
+        save_official_checkpoint(build_tiny_model(seed=0), staging, num_shards=2)
+        write_tiny_tokenizer_files(staging)
+        staging.rename(model_dir)
+    dataset = data_dir / "data.jsonl"
+    if not dataset.is_file():
+        write_synthetic_llava_dataset(data_dir, samples, seed=0, image_sizes=QUICKSTART_IMAGE_SIZES)
+    return {"model": model_dir, "data_dir": data_dir, "dataset": dataset, "cache": workdir / "cache"}
+
+
+def run_quickstart(
+    options: QuickstartOptions, console, progress: Callable[[StepRecord], None]
+) -> dict[str, Any]:
+    """Run every step; return the summary. Raises CheckFailed when a step's check fails."""
+    if options.steps < 2:
+        raise UserError("--steps must be at least 2 (the run checkpoints half-way and resumes from there)")
+    workdir = options.workdir.absolute()
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = workdir / datetime.now().strftime("%Y%m%d-%H%M%S")
+    if out.exists():
+        raise UserError(f"{out} exists already; wait a second and run the quickstart again")
+    out.mkdir()
+    summary: dict[str, Any] = {"workdir": str(workdir), "outputs": str(out), "steps": []}
+    started = time.monotonic()
+
+    def record(name: str, t0: float, detail: str, **data: Any) -> None:
+        step = StepRecord(name, round(time.monotonic() - t0, 1), detail, data)
+        summary["steps"].append({"name": step.name, "seconds": step.seconds, "detail": detail, **data})
+        progress(step)
+
+    # 1. assets
+    t0 = time.monotonic()
+    assets = write_assets(workdir, options.samples)
+    record(
+        "assets", t0, f"tiny Mistral3 in {assets['model']}, {options.samples} samples in {assets['data_dir']}"
+    )
+
+    # 2. convert
+    from magistral_cli.checkpoint.hf_to_dcp import convert_hf_to_dcp
+    from magistral_cli.checkpoint.validate import require_valid, validate_dcp
+
+    t0 = time.monotonic()
+    dcp_dir = out / "dcp"
+    convert_hf_to_dcp(assets["model"], dcp_dir, layout="fsdp2")
+    validation = require_valid(validate_dcp(assets["model"], dcp_dir, "fsdp2"))
+    record("convert", t0, f"HF -> DCP {dcp_dir}, validated: {validation.message().splitlines()[0]}")
+
+    # 3. preprocess
+    from magistral_cli.config import load_recipe
+    from magistral_cli.data.pipeline import run_preprocess
+
+    half = options.steps // 2
+    base = [
+        f"data.dataset_param.preprocess_parameters.model_name_or_path={assets['model']}",
+        f"model.model_name_or_path={assets['model']}",
+        f"data.dataset_param.basic_parameters.dataset_dir={assets['data_dir']}",
+        f"data.dataset_param.basic_parameters.dataset={assets['dataset']}",
+        f"data.dataset_param.basic_parameters.cache_dir={assets['cache']}",
+        f"training.train_iters={options.steps}",
+        f"training.save_interval={half}",
+    ]
+    plain = recipe_path(PLAIN_RECIPE)
+    t0 = time.monotonic()
+    result = run_preprocess(load_recipe(plain, base), show_progress=False, console=console)
+    record(
+        "preprocess",
+        t0,
+        f"{result.report['kept']} samples kept, {result.report['dropped']} dropped, cache "
+        f"{'reused' if result.reused else 'written'}: {result.dataset.path}",
+        kept=result.report["kept"],
+        cache_reused=result.reused,
+    )
+
+    # 4. train (weights from the HF checkpoint; checkpoints half-way and at the end)
+    t0 = time.monotonic()
+    run_a = _launch(
+        plain,
+        [*base, f"training.load={assets['model']}", f"training.output_dir={out / 'run'}"],
+        options.nproc,
+        console,
+    )
+    losses_a = _losses(run_a)
+    if sorted(losses_a) != list(range(1, options.steps + 1)) or not all(
+        map(math.isfinite, losses_a.values())
+    ):
+        raise CheckFailed(f"the run logged steps {sorted(losses_a)} with losses {losses_a}")
+    record(
+        "train",
+        t0,
+        f"{options.steps} steps on {options.nproc} CPU processes, loss {losses_a[1]:.4f} -> {losses_a[options.steps]:.4f}",
+        run=str(run_a),
+    )
+
+    # 5. resume from the half-way checkpoint in a second launch: the same losses, step for step
+    t0 = time.monotonic()
+    checkpoint = run_a / "checkpoints" / f"step_{half}"
+    run_b = _launch(
+        plain,
+        [*base, f"training.load={checkpoint}", f"training.output_dir={out / 'resumed'}"],
+        options.nproc,
+        console,
+    )
+    losses_b = _losses(run_b)
+    expected = {s: losses_a[s] for s in range(half + 1, options.steps + 1)}
+    if losses_b != expected:
+        raise CheckFailed(
+            f"the resumed run's losses {losses_b} differ from the uninterrupted run's {expected}"
+        )
+    record(
+        "resume",
+        t0,
+        f"continued from {checkpoint}: steps {half + 1}-{options.steps} equal the first run's exactly",
+        run=str(run_b),
+    )
+
+    # 6. the optimization recipe on the same data and weights
+    t0 = time.monotonic()
+    run_c = _launch(
+        recipe_path(OPTIMIZED_RECIPE),
+        [*base, f"training.load={assets['model']}", f"training.output_dir={out / 'optimized'}"],
+        options.nproc,
+        console,
+    )
+    record(
+        "optimized",
+        t0,
+        f"{options.steps} steps with chunked loss, recompute, prefetch and GC freeze",
+        run=str(run_c),
+    )
+
+    # 7. export the final checkpoint to HF and load it back with transformers
+    t0 = time.monotonic()
+    export = out / "export"
+    from magistral_cli.checkpoint.dcp_to_hf import export_dcp_to_hf
+
+    export_dcp_to_hf(
+        run_a / "checkpoints" / f"step_{options.steps}", assets["model"], export, layout="official"
+    )
+    changed = _check_export(assets["model"], export)
+    record("export", t0, f"HF checkpoint {export} loads with transformers; {changed}")
+
+    # 8. probes and the comparison of the plain and optimized runs
+    from magistral_cli.analysis.logs import read_run
+    from magistral_cli.analysis.metrics import compare_runs
+
+    t0 = time.monotonic()
+    comparison = compare_runs(read_run(run_a), read_run(run_c))
+    report = comparison.report
+    verdict = "PASS" if comparison.passed else "FAIL"
+    record(
+        "compare",
+        t0,
+        f"plain vs optimized: normalized loss difference {report['loss']['normalized_mean_abs_diff']:.2e} "
+        f"(threshold {report['loss']['threshold']}): {verdict}",
+        verdict=verdict,
+        normalized_mean_abs_diff=report["loss"]["normalized_mean_abs_diff"],
+    )
+    probe_results: list[dict] = []
+    if options.probes:
+        from magistral_cli.probes import run_all
+
+        t0 = time.monotonic()
+        probe_results = [r.to_json() for r in run_all("cpu")]
+        verdicts = ", ".join(
+            f"{r['probe']}{'' if r['mode'] == 'default' else ' ' + r['mode']}: {r['result']}"
+            for r in probe_results
+        )
+        record(
+            "probe",
+            t0,
+            verdicts,
+            results=[{k: r[k] for k in ("probe", "mode", "result")} for r in probe_results],
+        )
+
+    summary["wall_s"] = round(time.monotonic() - started, 1)
+    failed = [r for r in probe_results if r["result"] == "FAIL"]
+    summary["pass"] = comparison.passed and not failed
+    summary["runs"] = {"train": str(run_a), "resumed": str(run_b), "optimized": str(run_c)}
+    summary["export"] = str(export)
+    if not comparison.passed:
+        raise CheckFailed(f"magistral compare of the plain and optimized runs failed: {report['failures']}")
+    if failed:
+        raise CheckFailed("probes failed: " + "; ".join(f"{r['probe']} ({r['reason']})" for r in failed))
+    return summary
+
+
+def _check_export(model_dir: Path, export: Path) -> str:
+    """Load the export with transformers; the trained weights changed and the frozen ones did not."""
+    import torch
+    from transformers import Mistral3ForConditionalGeneration
+
+    before = Mistral3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
+    after = Mistral3ForConditionalGeneration.from_pretrained(str(export), dtype=torch.float32)
+    sd_before, sd_after = before.state_dict(), after.state_dict()
+    if sd_before.keys() != sd_after.keys():
+        raise CheckFailed(f"the export {export} has other keys than {model_dir}")
+    frozen = [k for k in sd_before if k.startswith(("model.vision_tower.", "model.multi_modal_projector."))]
+    trained = [k for k in sd_before if k not in frozen]
+    moved_frozen = [k for k in frozen if not torch.equal(sd_before[k], sd_after[k])]
+    moved_trained = [k for k in trained if not torch.equal(sd_before[k], sd_after[k])]
+    if moved_frozen:
+        raise CheckFailed(f"frozen weights changed in training: {moved_frozen[:5]}")
+    if not moved_trained:
+        raise CheckFailed("no trained weight changed: the export does not hold the trained model")
+    ids = torch.tensor([[1, 3, 1010, 1042, 4, 1050, 2]])
+    with torch.no_grad():
+        logits = after(input_ids=ids).logits
+    if not torch.isfinite(logits).all():
+        raise CheckFailed("the exported model gives non-finite logits")
+    return (
+        f"{len(moved_trained)}/{len(trained)} trained tensors changed, {len(frozen)} frozen tensors unchanged"
+    )
