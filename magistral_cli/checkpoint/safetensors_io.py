@@ -1,0 +1,200 @@
+"""Safetensors headers and a streaming safetensors writer.
+
+The format (https://huggingface.co/docs/safetensors): an 8-byte little-endian header length,
+a JSON header ``{"__metadata__": {...}, name: {"dtype", "shape", "data_offsets"}}`` padded with
+spaces to a multiple of 8 bytes, then the raw little-endian tensor bytes.
+
+``read_safetensors_header`` reads only the header (no tensor data). ``SafetensorsStreamWriter``
+writes the header first and then each tensor at its offset as soon as it arrives, so an export
+never holds a whole output file in memory (``safetensors.torch.save_file`` needs every tensor of
+the file at once). It lays the file out exactly as ``save_file`` does (same tensor order, same
+header text), so its files are byte-identical to the ones ``save_file`` writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from magistral_cli.errors import UserError
+
+#: safetensors dtype name -> torch dtype name.
+_DTYPES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3": "float8_e4m3fn",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "F64": "float64",
+    "I64": "int64",
+    "U64": "uint64",
+}
+_TORCH_TO_ST = {v: k for k, v in _DTYPES.items()}
+# safetensors orders tensors by its Dtype enum (descending), then by name; this is that enum order.
+_ORDER = [
+    "BOOL",
+    "U8",
+    "I8",
+    "F8_E5M2",
+    "F8_E4M3",
+    "I16",
+    "U16",
+    "F16",
+    "BF16",
+    "I32",
+    "U32",
+    "F32",
+    "F64",
+    "I64",
+    "U64",
+]
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a safetensors file: name, safetensors dtype (``BF16``) and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * _itemsize(self.dtype)
+
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, _DTYPES[self.dtype])
+
+
+def _itemsize(st_dtype: str) -> int:
+    import torch
+
+    return getattr(torch, _DTYPES[st_dtype]).itemsize
+
+
+def safetensors_dtype(torch_dtype: Any) -> str:
+    """``torch.bfloat16`` -> ``"BF16"``."""
+    name = str(torch_dtype).removeprefix("torch.")
+    if name not in _TORCH_TO_ST:
+        raise ValueError(f"dtype {name} cannot be stored in safetensors")
+    return _TORCH_TO_ST[name]
+
+
+def read_safetensors_header(path: str | Path) -> tuple[list[TensorSpec], dict[str, str]]:
+    """The tensors (in file order) and the ``__metadata__`` of a safetensors file, without its data."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) != 8:
+                raise ValueError("file shorter than 8 bytes")
+            (n,) = struct.unpack("<Q", raw_len)
+            if n > _MAX_HEADER:
+                raise ValueError(f"header length {n} is implausible")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path} is not a readable safetensors file ({exc}); fetch it again") from None
+    metadata = header.pop("__metadata__", None) or {}
+    entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    specs = []
+    for name, entry in entries:
+        if entry["dtype"] not in _DTYPES:
+            raise UserError(f"{path}: tensor {name!r} has dtype {entry['dtype']}, which is not supported")
+        specs.append(TensorSpec(name, entry["dtype"], tuple(entry["shape"])))
+    return specs, metadata
+
+
+def safetensors_layout(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
+    """The order in which ``safetensors`` stores tensors: by dtype (widest enum first), then by name."""
+    return sorted(specs, key=lambda s: (-_ORDER.index(s.dtype), s.name))
+
+
+class SafetensorsStreamWriter:
+    """Write one safetensors file tensor by tensor, in any arrival order.
+
+    The header (all names, dtypes and shapes) is known up front; ``write(name, tensor)``
+    stores the bytes of one tensor at its offset; ``close()`` checks that every tensor came
+    and syncs the file to disk.
+    """
+
+    def __init__(self, path: str | Path, specs: Iterable[TensorSpec], metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        self._specs = {s.name: s for s in safetensors_layout(specs)}
+        self._offsets: dict[str, int] = {}
+        header: dict[str, Any] = {}
+        if metadata:
+            header["__metadata__"] = dict(metadata)
+        offset = 0
+        for spec in self._specs.values():
+            header[spec.name] = {
+                "dtype": spec.dtype,
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + spec.nbytes],
+            }
+            self._offsets[spec.name] = offset
+            offset += spec.nbytes
+        text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        text += b" " * (-len(text) % 8)
+        self._data_start = 8 + len(text)
+        self.nbytes = offset
+        self._pending = set(self._specs)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(self._fd, struct.pack("<Q", len(text)) + text)
+        os.ftruncate(self._fd, self._data_start + offset)
+
+    def write(self, name: str, tensor) -> int:
+        """Store ``tensor`` (CPU, the declared dtype and shape) as ``name``; returns its byte count."""
+        import torch
+
+        spec = self._specs.get(name)
+        if spec is None or name not in self._pending:
+            raise ValueError(f"{self.path.name}: unexpected or repeated tensor {name!r}")
+        if tuple(tensor.shape) != spec.shape or safetensors_dtype(tensor.dtype) != spec.dtype:
+            raise ValueError(
+                f"{self.path.name}: {name!r} is {tensor.dtype} {tuple(tensor.shape)}, "
+                f"the header says {spec.dtype} {spec.shape}"
+            )
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        view = memoryview(flat.numpy()).cast("B")
+        pos, end = 0, len(view)
+        while pos < end:  # pwrite may write less than asked (2 GiB cap per call on Linux)
+            pos += os.pwrite(self._fd, view[pos:], self._data_start + self._offsets[name] + pos)
+        self._pending.discard(name)
+        return end
+
+    def close(self) -> None:
+        """Sync and close; raises if a declared tensor was never written."""
+        try:
+            if self._pending:
+                missing = sorted(self._pending)
+                raise ValueError(
+                    f"{self.path.name}: {len(missing)} tensors never written, e.g. {missing[:5]}"
+                )
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+
+    def abort(self) -> None:
+        """Close without checks (the caller removes the partial file)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
