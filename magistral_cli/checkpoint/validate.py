@@ -114,10 +114,12 @@ def compare_keys(
 ) -> KeyReport:
     """Compare ``actual`` (key -> shape, None for a non-tensor) with ``prefix`` + the model keys.
 
-    Keys of ``actual`` that do not start with ``prefix`` are not model keys (an optimizer, a step
-    counter) and are ignored, as Megatron's loader ignores them.
+    Keys outside the prefix's top-level entry (``model.`` for ``model.model.``) are not model
+    keys (an optimizer, a step counter) and are ignored, as Megatron's loader ignores them; keys
+    inside it that are not the model's are reported as unexpected.
     """
-    considered = {k: v for k, v in actual.items() if k.startswith(prefix)}
+    top = prefix.split(".", 1)[0] + "." if prefix else ""
+    considered = {k: v for k, v in actual.items() if k.startswith(top)}
     want = {prefix + k: s for k, s in expected.shapes.items()}
     optional = {prefix + k for k in expected.aliases}
     missing = [k for k in want if k not in considered and k not in optional]
