@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from magistral_cli.errors import CheckFailed, UserError
+from magistral_cli.errors import CheckFailed, MagistralError, UserError
 
 from .hf import WEIGHT_INDEX, read_hf_weights, read_weight_index, require_model_dir, support_files
 from .keys import DCP_MODEL_PREFIX, to_transformers_key, transformers_to_official_key
@@ -151,6 +151,15 @@ def _make_streaming_planner(sink: Callable[[str, object], None]):
     return StreamingLoadPlanner()
 
 
+def _unwrap(exc, checkpoint_dir: Path) -> BaseException:
+    """DCP wraps every failure, even Ctrl-C, in a CheckpointException (a BaseException): unwrap it."""
+    failures = [failure for failure, _ in exc.failures.values()]
+    first = failures[0] if failures else exc
+    if isinstance(first, (KeyboardInterrupt, MagistralError, OSError)):
+        return first
+    return CheckFailed(f"reading the DCP checkpoint {checkpoint_dir} failed: {first!r}")
+
+
 def export_dcp_to_hf(
     dcp_dir: str | Path,
     model_dir: str | Path,
@@ -168,6 +177,7 @@ def export_dcp_to_hf(
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
 
     if layout not in EXPORT_LAYOUTS:
         raise UserError(f"unknown layout {layout!r}; use one of {list(EXPORT_LAYOUTS)}")
@@ -257,11 +267,14 @@ def export_dcp_to_hf(
             }
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed.*")
-                dcp.load(
-                    state,
-                    storage_reader=FileSystemReader(str(checkpoint_dir)),
-                    planner=_make_streaming_planner(sink),
-                )
+                try:
+                    dcp.load(
+                        state,
+                        storage_reader=FileSystemReader(str(checkpoint_dir)),
+                        planner=_make_streaming_planner(sink),
+                    )
+                except CheckpointException as exc:
+                    raise _unwrap(exc, checkpoint_dir) from None
             for writer in writers.values():
                 writer.close()
         except BaseException:

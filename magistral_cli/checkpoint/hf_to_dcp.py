@@ -199,7 +199,11 @@ def convert_hf_to_dcp(
         # 2. Write each shard from its memory map, then close it before opening the next.
         results = []
         for i, name in enumerate(files):
-            with safe_open(str(model_dir / name), framework="pt") as f:
+            try:
+                shard = safe_open(str(model_dir / name), framework="pt")
+            except Exception as exc:  # safetensors' SafetensorError: say which file, not a Rust message
+                raise CheckFailed(f"{model_dir / name} cannot be read ({exc}); fetch it again") from None
+            with shard as f:
                 tensors = {keymap[name][s.name]: f.get_tensor(s.name) for s in weights.files[name]}
                 planner = _CountingSavePlanner.make(advance)
                 planner.set_up_planner(

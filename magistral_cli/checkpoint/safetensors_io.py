@@ -110,9 +110,15 @@ def read_safetensors_header(path: str | Path) -> tuple[list[TensorSpec], dict[st
             if n > _MAX_HEADER:
                 raise ValueError(f"header length {n} is implausible")
             header = json.loads(f.read(n))
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{path} is not a readable safetensors file ({exc}); fetch it again") from None
-    metadata = header.pop("__metadata__", None) or {}
+        metadata = header.pop("__metadata__", None) or {}
+        end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise UserError(f"{path} is not a readable safetensors file ({exc!r}); fetch it again") from None
+    size = path.stat().st_size
+    if size != 8 + n + end:
+        raise UserError(
+            f"{path} is truncated or padded: its header needs {8 + n + end} bytes, the file has {size}; fetch it again"
+        )
     entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
     specs = []
     for name, entry in entries:
