@@ -6,10 +6,10 @@ are read. By default the output has the keys and the file split of the model dir
 ``model.safetensors.index.json`` (the official layout), so HF -> DCP -> HF gives back the same
 files.
 
-Memory: one ``dcp.load`` reads every model tensor through a load planner that allocates each
-tensor only when DCP reaches it and hands it, once complete, to a streaming safetensors writer
-that stores it at its offset in its output file. At most one tensor (plus the copy DCP's reader
-deserializes) is in memory, whatever the shard size. DCP's ``HuggingFaceStorageWriter`` would
+Memory: one ``dcp.load`` reads every model tensor through a load planner that hands each tensor
+(or each block of rows, for checkpoints that FSDP2 ranks saved) to a streaming safetensors writer
+as soon as it is read, and the writer stores it at its offset in its output file. At most one
+tensor (plus the copy DCP's reader deserializes) is in memory, whatever the shard size. DCP's ``HuggingFaceStorageWriter`` would
 serialize each whole output file in memory (``safetensors.torch.save``) from a state dict that
 ``dcp.save`` needs complete, and it names files by its own pattern: it does not fit here.
 """
@@ -113,16 +113,25 @@ def _split_by_size(keys: list[str], nbytes: dict[str, int], limit: int) -> dict[
     return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups)}
 
 
-def _make_streaming_planner(sink: Callable[[str, object], None]):
-    """A DefaultLoadPlanner that allocates each tensor when DCP first reads into it and passes it
-    to ``sink(dcp_key, tensor)`` as soon as all of its chunks (one per saving rank) arrived."""
+def _make_streaming_planner(sink: Callable[[str, object, int], None]):
+    """A DefaultLoadPlanner that hands every tensor to ``sink(dcp_key, tensor, row_offset)`` as
+    soon as DCP has read it, instead of keeping a state dict.
+
+    A tensor saved whole, or in blocks of whole rows (FSDP2 shards by rows, one block per rank),
+    is read into one reused buffer and passed on block by block: memory stays at one block, and
+    a reused buffer avoids faulting in fresh pages for every tensor. A tensor split any other
+    way is assembled whole first and passed on once complete.
+    """
+    import math
+
     import torch
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
     class StreamingLoadPlanner(DefaultLoadPlanner):
         def __init__(self):
             super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-            self._open: dict[str, torch.Tensor] = {}
+            self._buffer = torch.empty(0, dtype=torch.uint8)
+            self._assembling: dict[str, torch.Tensor] = {}
             self._remaining: dict[str, int] = {}
 
         def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
@@ -134,19 +143,34 @@ def _make_streaming_planner(sink: Callable[[str, object], None]):
 
         def resolve_tensor(self, read_item):
             fqn = read_item.dest_index.fqn
-            full = self._open.get(fqn)
+            md = self.metadata.state_dict_metadata[fqn]
+            dtype, lengths = md.properties.dtype, list(read_item.lengths)
+            whole_rows = all(
+                offset == 0 and length == size
+                for offset, length, size in zip(
+                    read_item.dest_offsets[1:], lengths[1:], md.size[1:], strict=True
+                )
+            )
+            if whole_rows and fqn not in self._assembling:
+                nbytes = math.prod(lengths) * dtype.itemsize
+                if self._buffer.numel() < nbytes:
+                    self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+                return self._buffer[:nbytes].view(dtype).view(lengths)
+            full = self._assembling.get(fqn)
             if full is None:
-                md = self.metadata.state_dict_metadata[fqn]
-                full = self._open[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+                full = self._assembling[fqn] = torch.empty(md.size, dtype=dtype)
                 self._remaining[fqn] = full.numel()
             return self.transform_tensor(read_item, full)  # the chunk this read fills
 
         def commit_tensor(self, read_item, tensor) -> None:
             fqn = read_item.dest_index.fqn
+            if fqn not in self._assembling:
+                sink(fqn, tensor, read_item.dest_offsets[0] if len(read_item.dest_offsets) else 0)
+                return
             self._remaining[fqn] -= tensor.numel()
             if self._remaining[fqn] == 0:
                 del self._remaining[fqn]
-                sink(fqn, self._open.pop(fqn))
+                sink(fqn, self._assembling.pop(fqn), 0)
 
     return StreamingLoadPlanner()
 
@@ -166,6 +190,7 @@ def export_dcp_to_hf(
     out_dir: str | Path,
     layout: str = "official",
     progress: ProgressFn | None = None,
+    fsync: bool = False,
 ) -> ExportResult:
     """Write the model tensors of the DCP checkpoint ``dcp_dir`` as an HF model directory ``out_dir``.
 
@@ -173,6 +198,7 @@ def export_dcp_to_hf(
     processor files (copied) and the file split of its weights (kept). ``layout`` names the keys:
     ``official`` (mistralai's repository) or ``transformers`` (``save_pretrained``). Tensor values
     and dtypes are kept exactly. ``out_dir`` must not exist; on failure nothing is left behind.
+    ``fsync=True`` syncs every file to disk before the directory appears.
     """
     import torch
     import torch.distributed.checkpoint as dcp
@@ -252,10 +278,10 @@ def export_dcp_to_hf(
         }
         try:
 
-            def sink(dcp_key: str, tensor) -> None:
+            def sink(dcp_key: str, tensor, row_offset: int) -> None:
                 nonlocal done
                 name, key = destination[dcp_key]
-                done += writers[name].write(key, tensor)
+                done += writers[name].write(key, tensor, row_offset)
                 if progress is not None:
                     progress(done, total)
 
@@ -276,7 +302,7 @@ def export_dcp_to_hf(
                 except CheckpointException as exc:
                     raise _unwrap(exc, checkpoint_dir) from None
             for writer in writers.values():
-                writer.close()
+                writer.close(fsync=fsync)
         except BaseException:
             for writer in writers.values():
                 writer.abort()

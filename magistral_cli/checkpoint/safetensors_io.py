@@ -138,7 +138,7 @@ class SafetensorsStreamWriter:
 
     The header (all names, dtypes and shapes) is known up front; ``write(name, tensor)``
     stores the bytes of one tensor at its offset; ``close()`` checks that every tensor came
-    and syncs the file to disk.
+    and closes the file (with an fsync if asked).
     """
 
     def __init__(self, path: str | Path, specs: Iterable[TensorSpec], metadata: dict[str, str] | None = None):
@@ -162,39 +162,61 @@ class SafetensorsStreamWriter:
         self._data_start = 8 + len(text)
         self.nbytes = offset
         self._pending = set(self._specs)
+        self._remaining = {name: spec.nbytes for name, spec in self._specs.items()}
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         os.write(self._fd, struct.pack("<Q", len(text)) + text)
         os.ftruncate(self._fd, self._data_start + offset)
 
-    def write(self, name: str, tensor) -> int:
-        """Store ``tensor`` (CPU, the declared dtype and shape) as ``name``; returns its byte count."""
+    def write(self, name: str, tensor, row_offset: int = 0) -> int:
+        """Store ``tensor`` (CPU, the declared dtype) as ``name``, or as its rows from ``row_offset``.
+
+        A tensor may come whole or in row blocks (FSDP2 shards tensors by rows, and rows are
+        contiguous in the file); it is complete once all of its bytes arrived. Returns the byte
+        count written.
+        """
         import torch
 
         spec = self._specs.get(name)
         if spec is None or name not in self._pending:
             raise ValueError(f"{self.path.name}: unexpected or repeated tensor {name!r}")
-        if tuple(tensor.shape) != spec.shape or safetensors_dtype(tensor.dtype) != spec.dtype:
+        shape = tuple(tensor.shape)
+        rows_fit = (
+            shape == spec.shape
+            if not spec.shape
+            else shape[1:] == spec.shape[1:] and row_offset >= 0 and row_offset + shape[0] <= spec.shape[0]
+        )
+        if not rows_fit or safetensors_dtype(tensor.dtype) != spec.dtype:
             raise ValueError(
-                f"{self.path.name}: {name!r} is {tensor.dtype} {tuple(tensor.shape)}, "
+                f"{self.path.name}: {name!r} gets {tensor.dtype} {shape} at row {row_offset}, "
                 f"the header says {spec.dtype} {spec.shape}"
             )
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         view = memoryview(flat.numpy()).cast("B")
+        start = (
+            self._data_start
+            + self._offsets[name]
+            + row_offset * (spec.nbytes // max(spec.shape[0], 1) if spec.shape else 0)
+        )
         pos, end = 0, len(view)
         while pos < end:  # pwrite may write less than asked (2 GiB cap per call on Linux)
-            pos += os.pwrite(self._fd, view[pos:], self._data_start + self._offsets[name] + pos)
-        self._pending.discard(name)
+            pos += os.pwrite(self._fd, view[pos:], start + pos)
+        self._remaining[name] -= end
+        if self._remaining[name] < 0:
+            raise ValueError(f"{self.path.name}: {name!r} got more bytes than its shape holds")
+        if self._remaining[name] == 0:
+            self._pending.discard(name)
         return end
 
-    def close(self) -> None:
-        """Sync and close; raises if a declared tensor was never written."""
+    def close(self, fsync: bool = False) -> None:
+        """Close (after an fsync if asked); raises if a declared tensor was never written."""
         try:
-            if self._pending:
-                missing = sorted(self._pending)
+            missing = sorted(n for n in self._pending if self._specs[n].nbytes)
+            if missing:
                 raise ValueError(
                     f"{self.path.name}: {len(missing)} tensors never written, e.g. {missing[:5]}"
                 )
-            os.fsync(self._fd)
+            if fsync:
+                os.fsync(self._fd)
         finally:
             os.close(self._fd)
             self._fd = -1

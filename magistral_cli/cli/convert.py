@@ -41,6 +41,14 @@ ModelDir = Annotated[
     ),
 ]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object on stdout.")]
+Fsync = Annotated[
+    bool,
+    typer.Option(
+        "--fsync",
+        help="Sync every written file to disk before the directory appears (survives a power loss; "
+        "slower). Without it a failed or interrupted run still leaves nothing behind.",
+    ),
+]
 
 
 @contextmanager
@@ -85,13 +93,14 @@ def hf_to_dcp(
             help="fsdp2: transformers keys at the root. megatron: {'model': 'model.'+key} under release/.",
         ),
     ] = DCPLayout.fsdp2,
+    fsync: Fsync = False,
     json_out: JsonOut = False,
 ) -> None:
     """Stream the HF safetensors shards into a DCP checkpoint, then validate every key and shape."""
     from magistral_cli.checkpoint.hf_to_dcp import convert_hf_to_dcp
 
     with _progress(f"hf-to-dcp ({layout.value})") as progress:
-        result = convert_hf_to_dcp(model_dir, dcp_dir, layout.value, progress=progress)
+        result = convert_hf_to_dcp(model_dir, dcp_dir, layout.value, progress=progress, fsync=fsync)
     console.print(
         f"[green]wrote[/] {result.checkpoint_dir}: {result.tensors} tensors, "
         f"{result.bytes / 2**20:.1f} MiB in {result.seconds:.1f} s; "
@@ -139,13 +148,14 @@ def dcp_to_hf(
         HFLayout,
         typer.Option("--layout", help="Key names: official (the mistralai repository) or transformers."),
     ] = HFLayout.official,
+    fsync: Fsync = False,
     json_out: JsonOut = False,
 ) -> None:
     """Export the model weights of a DCP checkpoint as HF safetensors with the source's file split."""
     from magistral_cli.checkpoint.dcp_to_hf import export_dcp_to_hf
 
     with _progress(f"dcp-to-hf ({layout.value})") as progress:
-        result = export_dcp_to_hf(dcp_dir, model_dir, out_dir, layout.value, progress=progress)
+        result = export_dcp_to_hf(dcp_dir, model_dir, out_dir, layout.value, progress=progress, fsync=fsync)
     console.print(
         f"[green]wrote[/] {result.out_dir}: {len(result.files)} safetensors files, {result.tensors} tensors "
         f"({result.layout} keys, from a {result.dcp_layout}-layout DCP), "

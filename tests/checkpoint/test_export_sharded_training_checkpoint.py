@@ -15,11 +15,15 @@ from magistral_cli.checkpoint.keys import transformers_to_official_key
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 
+COLUMN_SPLIT = "model.multi_modal_projector.linear_1.weight"
+
+
 def _save_sharded(rank: int, world: int, port: int, config, state: dict, path: str) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     from magistral_cli.testing.tiny_model import build_tiny_model
 
@@ -33,6 +37,9 @@ def _save_sharded(rank: int, world: int, port: int, config, state: dict, path: s
         fully_shard(model)
         sd = get_model_state_dict(model)
         assert all(type(v).__name__ == "DTensor" for v in sd.values())
+        # One tensor split by columns instead of rows: the export must assemble it whole.
+        key = COLUMN_SPLIT
+        sd[key] = distribute_tensor(sd[key].full_tensor(), sd[key].device_mesh, [Shard(1)])
         dcp.save({"model": sd, "step": 7}, checkpoint_id=path)
     finally:
         dist.destroy_process_group()
@@ -56,6 +63,8 @@ def test_fsdp2_sharded_checkpoint_exports_whole_tensors(tiny_hf, tmp_path):
     metadata = read_dcp_metadata(ckpt)
     chunks = metadata.state_dict_metadata["model.lm_head.weight"].chunks
     assert len(chunks) == 2  # one per rank: the export must put them together
+    columns = metadata.state_dict_metadata["model." + COLUMN_SPLIT].chunks
+    assert sorted(c.offsets[1] for c in columns) == [0, columns[0].sizes[1]]
 
     result = export_dcp_to_hf(ckpt, tiny_hf.hf_dir, tmp_path / "out")
     assert result.dcp_layout == "engine"

@@ -69,3 +69,17 @@ def test_truncated_file_is_a_user_error(tmp_path):
     (tmp_path / "bad.safetensors").write_bytes(b"\x01\x02")
     with pytest.raises(UserError, match="not a readable safetensors file"):
         read_safetensors_header(tmp_path / "bad.safetensors")
+
+
+def test_row_blocks_complete_a_tensor(tmp_path):
+    full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    save_file({"w": full}, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    writer = SafetensorsStreamWriter(
+        tmp_path / "rows.safetensors", [TensorSpec("w", "F32", (6, 4))], {"format": "pt"}
+    )
+    writer.write("w", full[4:], row_offset=4)
+    with pytest.raises(ValueError, match="at row 5"):
+        writer.write("w", full[:2], row_offset=5)  # would run past the last row
+    writer.write("w", full[:4], row_offset=0)
+    writer.close()
+    assert (tmp_path / "rows.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
