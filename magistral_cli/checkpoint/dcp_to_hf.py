@@ -285,11 +285,15 @@ def export_dcp_to_hf(
                 if progress is not None:
                     progress(done, total)
 
-            # Meta tensors: the planner allocates each real tensor when DCP reaches it.
+            # Meta tensors: the planner allocates each real tensor when DCP reaches it. Their order
+            # is the order of the output files' bytes: DCP reads in state-dict order within each of
+            # its files, so a checkpoint with the source's split is written append-only (writing
+            # into holes of a sparse file is several times slower on ext4).
+            to_tkey = {out_key(k): k for keys in files.values() for k in keys}
             state = {
-                prefix + k: torch.empty(dcp_md(k).size, dtype=dcp_md(k).properties.dtype, device="meta")
-                for keys in files.values()
-                for k in keys
+                prefix + to_tkey[spec.name]: torch.empty(spec.shape, dtype=spec.torch_dtype(), device="meta")
+                for name in files
+                for spec in writers[name].layout
             }
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed.*")

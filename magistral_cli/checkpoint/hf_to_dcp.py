@@ -33,7 +33,6 @@ from magistral_cli.errors import CheckFailed, UserError
 from .hf import HFWeights, read_hf_weights, require_model_dir
 from .keys import (
     CONVERSION_LAYOUTS,
-    DCP_MODEL_PREFIX,
     MEGATRON_PREFIX,
     MEGATRON_RELEASE_DIR,
     to_transformers_key,
@@ -257,4 +256,4 @@ def convert_hf_to_dcp(
     )
 
 
-__all__ = ["DCP_MODEL_PREFIX", "ConversionResult", "convert_hf_to_dcp"]
+__all__ = ["MEGATRON_TRACKER", "ConversionResult", "convert_hf_to_dcp"]

@@ -165,7 +165,11 @@ class SafetensorsStreamWriter:
         self._remaining = {name: spec.nbytes for name, spec in self._specs.items()}
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         os.write(self._fd, struct.pack("<Q", len(text)) + text)
-        os.ftruncate(self._fd, self._data_start + offset)
+
+    @property
+    def layout(self) -> list[TensorSpec]:
+        """The tensors in the order of their bytes in the file (write them in this order to append)."""
+        return list(self._specs.values())
 
     def write(self, name: str, tensor, row_offset: int = 0) -> int:
         """Store ``tensor`` (CPU, the declared dtype) as ``name``, or as its rows from ``row_offset``.
@@ -214,6 +218,11 @@ class SafetensorsStreamWriter:
             if missing:
                 raise ValueError(
                     f"{self.path.name}: {len(missing)} tensors never written, e.g. {missing[:5]}"
+                )
+            size = os.fstat(self._fd).st_size
+            if size != self._data_start + self.nbytes:
+                raise ValueError(
+                    f"{self.path.name} has {size} bytes, expected {self._data_start + self.nbytes}"
                 )
             if fsync:
                 os.fsync(self._fd)

@@ -35,6 +35,17 @@ def test_fsdp2_layout_has_the_transformers_keys_at_the_root(tiny_hf, tmp_path):
     assert sorted(p.name for p in (tmp_path / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
 
+def test_fsync_conversion_and_torch_save_settings_restored(tiny_hf, tmp_path):
+    from torch.utils.serialization import config
+
+    assert config.save.compute_crc32 is True
+    convert_hf_to_dcp(tiny_hf.hf_dir, tmp_path / "dcp", "megatron", fsync=True)
+    assert config.save.compute_crc32 is True  # switched off only while writing
+    state = {"model": {"model." + k: torch.empty_like(v) for k, v in tiny_hf.state.items()}}
+    dcp.load(state, checkpoint_id=tmp_path / "dcp" / "release")
+    assert all(torch.equal(state["model"]["model." + k], v) for k, v in tiny_hf.state.items())
+
+
 def test_megatron_layout_loads_into_the_wrapper_keys(tiny_hf, tmp_path):
     """The seed's test: {"model": {"model." + key}} from <dcp>/release, bf16 and equal."""
     target = tmp_path / "converted"

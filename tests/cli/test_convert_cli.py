@@ -78,6 +78,7 @@ def test_hf_to_dcp_validate_dcp_to_hf_reproduce_the_checkpoint(hf_dir, tmp_path,
             "--out-dir",
             str(out),
             "--json",
+            *(["--fsync"] if layout == "megatron" else []),
         ],
     )
     assert result.exit_code == 0, result.output
