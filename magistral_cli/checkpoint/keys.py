@@ -6,6 +6,15 @@
 | transformers | model.language_model.layers.0.mlp.up_proj.weight      |
 |              | lm_head.weight, model.vision_tower.*, model.multi_modal_projector.* |
 | megatron     | "model." + the transformers key (MindSpeed-MM's TransformersModel wrapper) |
+
+Inside a torch.distributed.checkpoint (DCP) directory, the model tensors sit under flattened
+keys (DCP joins nested state-dict keys with "."). ``DCP_MODEL_PREFIX`` says which prefix each
+DCP layout puts before the transformers key:
+
+| DCP layout | DCP key of ``lm_head.weight``  | state dict that was saved                          |
+| fsdp2      | ``lm_head.weight``             | the transformers state dict itself, at the root    |
+| engine     | ``model.lm_head.weight``       | ``{"model": <transformers keys>, "optimizer": ...}`` (training checkpoints) |
+| megatron   | ``model.model.lm_head.weight`` | ``{"model": <megatron keys>, "checkpoint_version": 3.0}`` under ``release/`` |
 """
 
 from __future__ import annotations
@@ -74,3 +83,24 @@ def convert_key(key: str, src: str, dst: str) -> str:
     if dst == "megatron":
         return transformers_to_megatron_key(key)
     return key
+
+
+#: DCP layout -> prefix of the model's transformers keys among the checkpoint's flattened keys.
+DCP_MODEL_PREFIX = {"fsdp2": "", "engine": "model.", "megatron": "model." + MEGATRON_PREFIX}
+#: The DCP layouts ``hf-to-dcp`` writes (``engine`` checkpoints come from training).
+CONVERSION_LAYOUTS = ("fsdp2", "megatron")
+#: Sub-directory that holds a megatron-layout DCP (Megatron's "release" iteration).
+MEGATRON_RELEASE_DIR = "release"
+
+
+def transformers_to_dcp_key(key: str, dcp_layout: str) -> str:
+    """``lm_head.weight`` -> its flattened DCP key in ``dcp_layout`` (fsdp2, engine or megatron)."""
+    return DCP_MODEL_PREFIX[dcp_layout] + key
+
+
+def dcp_to_transformers_key(key: str, dcp_layout: str) -> str:
+    """The inverse of ``transformers_to_dcp_key``."""
+    prefix = DCP_MODEL_PREFIX[dcp_layout]
+    if not key.startswith(prefix):
+        raise KeyError(f"{key!r} is not a model key of the {dcp_layout} DCP layout (prefix {prefix!r})")
+    return key[len(prefix) :]

@@ -1,16 +1,169 @@
-"""`magistral convert`."""
+"""`magistral convert`: HF safetensors <-> torch.distributed.checkpoint, and key validation."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
-from .pending import register_pending
+from .output import console, emit_json
+
+convert_app = typer.Typer(
+    help="Convert checkpoints between HF safetensors and torch DCP, validate them, export them back.",
+    no_args_is_help=True,
+)
+
+
+class DCPLayout(str, Enum):
+    fsdp2 = "fsdp2"
+    megatron = "megatron"
+
+
+class ValidateLayout(str, Enum):
+    fsdp2 = "fsdp2"
+    megatron = "megatron"
+    engine = "engine"
+
+
+class HFLayout(str, Enum):
+    official = "official"
+    transformers = "transformers"
+
+
+ModelDir = Annotated[
+    Path,
+    typer.Option(
+        "--model-dir", help="HF model directory (config.json, weights, tokenizer).", show_default=False
+    ),
+]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object on stdout.")]
+Fsync = Annotated[
+    bool,
+    typer.Option(
+        "--fsync",
+        help="Sync every written file to disk before the directory appears (survives a power loss; "
+        "slower). Without it a failed or interrupted run still leaves nothing behind.",
+    ),
+]
+
+
+@contextmanager
+def _progress(description: str) -> Iterator[Callable[[int, int], None]]:
+    """A rich progress bar (bytes) on stderr, driven by the core's progress(done, total) callback."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(description, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+@convert_app.command("hf-to-dcp")
+def hf_to_dcp(
+    model_dir: ModelDir,
+    dcp_dir: Annotated[
+        Path, typer.Option("--dcp-dir", help="New DCP directory (must not exist).", show_default=False)
+    ],
+    layout: Annotated[
+        DCPLayout,
+        typer.Option(
+            "--layout",
+            help="fsdp2: transformers keys at the root. megatron: {'model': 'model.'+key} under release/.",
+        ),
+    ] = DCPLayout.fsdp2,
+    fsync: Fsync = False,
+    json_out: JsonOut = False,
+) -> None:
+    """Stream the HF safetensors shards into a DCP checkpoint, then validate every key and shape."""
+    from magistral_cli.checkpoint.hf_to_dcp import convert_hf_to_dcp
+
+    with _progress(f"hf-to-dcp ({layout.value})") as progress:
+        result = convert_hf_to_dcp(model_dir, dcp_dir, layout.value, progress=progress, fsync=fsync)
+    console.print(
+        f"[green]wrote[/] {result.checkpoint_dir}: {result.tensors} tensors, "
+        f"{result.bytes / 2**20:.1f} MiB in {result.seconds:.1f} s; "
+        f"validated {result.validated_keys} model keys against config.json ({layout.value} layout)"
+    )
+    if json_out:
+        emit_json(result.to_dict())
+
+
+@convert_app.command("validate")
+def validate(
+    model_dir: ModelDir,
+    dcp_dir: Annotated[Path, typer.Option("--dcp-dir", help="DCP directory to check.", show_default=False)],
+    layout: Annotated[
+        ValidateLayout,
+        typer.Option("--layout", help="Layout the DCP must have (engine: a training checkpoint)."),
+    ] = ValidateLayout.fsdp2,
+    json_out: JsonOut = False,
+) -> None:
+    """Check every model key and shape of a DCP checkpoint against config.json (exit 1 on a mismatch)."""
+    from magistral_cli.checkpoint.validate import require_valid, validate_dcp
+
+    validation = validate_dcp(model_dir, dcp_dir, layout.value)
+    if json_out:
+        emit_json(validation.to_dict())  # printed on a mismatch too, before the exit code 1
+    require_valid(validation)
+    console.print(f"[green]PASS[/] {validation.message()}")
+
+
+@convert_app.command("dcp-to-hf")
+def dcp_to_hf(
+    dcp_dir: Annotated[
+        Path,
+        typer.Option(
+            "--dcp-dir",
+            help="DCP checkpoint: a conversion (either layout) or a training checkpoint (checkpoints/step_N).",
+            show_default=False,
+        ),
+    ],
+    model_dir: ModelDir,
+    out_dir: Annotated[
+        Path, typer.Option("--out-dir", help="New HF model directory (must not exist).", show_default=False)
+    ],
+    layout: Annotated[
+        HFLayout,
+        typer.Option("--layout", help="Key names: official (the mistralai repository) or transformers."),
+    ] = HFLayout.official,
+    fsync: Fsync = False,
+    json_out: JsonOut = False,
+) -> None:
+    """Export the model weights of a DCP checkpoint as HF safetensors with the source's file split."""
+    from magistral_cli.checkpoint.dcp_to_hf import export_dcp_to_hf
+
+    with _progress(f"dcp-to-hf ({layout.value})") as progress:
+        result = export_dcp_to_hf(dcp_dir, model_dir, out_dir, layout.value, progress=progress, fsync=fsync)
+    console.print(
+        f"[green]wrote[/] {result.out_dir}: {len(result.files)} safetensors files, {result.tensors} tensors "
+        f"({result.layout} keys, from a {result.dcp_layout}-layout DCP), "
+        f"{result.bytes / 2**20:.1f} MiB in {result.seconds:.1f} s; copied {', '.join(result.copied)}"
+    )
+    if json_out:
+        emit_json(result.to_dict())
 
 
 def register(app: typer.Typer) -> None:
-    register_pending(
-        app,
-        "convert",
-        "Convert checkpoints between HF safetensors and torch DCP, validate, export.",
-        "HF <-> DCP conversion is planned.",
-    )
+    app.add_typer(convert_app, name="convert")

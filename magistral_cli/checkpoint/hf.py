@@ -1,0 +1,116 @@
+"""What a Hugging Face model directory holds: its weight files, their keys, and the other files.
+
+A model directory has ``config.json`` and either ``model.safetensors.index.json`` with its
+shards (the official repository's layout) or a single ``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from magistral_cli.errors import UserError
+
+from .safetensors_io import TensorSpec, read_safetensors_header
+
+WEIGHT_INDEX = "model.safetensors.index.json"
+SINGLE_WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+
+# Files of a model directory that dcp-to-hf does not copy next to the exported weights: the
+# weights themselves (written anew), other weight formats that would disagree with them
+# (Mistral's consolidated.safetensors + params.json), and the fetch manifest, whose SHA-256
+# sums describe the original files.
+_NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+_NOT_COPIED_NAMES = {WEIGHT_INDEX, "pytorch_model.bin.index.json", "params.json", "magistral-manifest.json"}
+
+
+@dataclass
+class HFWeights:
+    """The weight files of a model directory, in order, with each file's tensors."""
+
+    directory: Path
+    #: file name -> its tensors in file order (source keys: official or transformers).
+    files: dict[str, list[TensorSpec]]
+    #: ``metadata`` of model.safetensors.index.json (empty for a single file).
+    index_metadata: dict = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.nbytes for specs in self.files.values() for s in specs)
+
+    @property
+    def largest_file_bytes(self) -> int:
+        return max((sum(s.nbytes for s in specs) for specs in self.files.values()), default=0)
+
+
+def require_model_dir(model_dir: str | Path) -> Path:
+    """``model_dir`` as a Path, after checking it is a directory with config.json."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise UserError(f"model directory {path} does not exist; pass the directory `magistral fetch` wrote")
+    if not (path / CONFIG).is_file():
+        raise UserError(f"{path} has no {CONFIG}; pass a Hugging Face model directory (`magistral fetch`)")
+    return path
+
+
+def read_weight_index(model_dir: Path) -> tuple[dict[str, str], dict] | None:
+    """(weight_map, metadata) of model.safetensors.index.json, or None without one."""
+    index_path = model_dir / WEIGHT_INDEX
+    if not index_path.is_file():
+        return None
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+        weight_map = index["weight_map"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{index_path} is not a valid safetensors index ({exc!r}); fetch it again") from None
+    for name in set(weight_map.values()):
+        if Path(name).name != name:
+            raise UserError(f"{index_path} names {name!r}, which is not a file of {model_dir}")
+    return weight_map, dict(index.get("metadata") or {})
+
+
+def read_hf_weights(model_dir: str | Path) -> HFWeights:
+    """The shards of ``model_dir`` and their tensors (headers only: no tensor data is read)."""
+    model_dir = require_model_dir(model_dir)
+    index = read_weight_index(model_dir)
+    if index is None:
+        if not (model_dir / SINGLE_WEIGHTS).is_file():
+            raise UserError(
+                f"{model_dir} has neither {WEIGHT_INDEX} nor {SINGLE_WEIGHTS}; "
+                "download the weights with `magistral fetch` (without --no-weights)"
+            )
+        specs, _ = read_safetensors_header(model_dir / SINGLE_WEIGHTS)
+        return HFWeights(model_dir, {SINGLE_WEIGHTS: specs})
+    weight_map, metadata = index
+    files: dict[str, list[TensorSpec]] = {}
+    for name in sorted(set(weight_map.values())):
+        if not (model_dir / name).is_file():
+            raise UserError(f"{model_dir / name} is listed in {WEIGHT_INDEX} but missing; fetch it again")
+        specs, _ = read_safetensors_header(model_dir / name)
+        listed = {k for k, v in weight_map.items() if v == name}
+        present = {s.name for s in specs}
+        if listed - present:
+            missing = sorted(listed - present)
+            raise UserError(
+                f"{model_dir / name} lacks {len(missing)} tensors that {WEIGHT_INDEX} assigns to it, "
+                f"e.g. {missing[:5]}; fetch it again"
+            )
+        # A file may hold tensors the index does not list; the index decides, as in transformers.
+        files[name] = [s for s in specs if s.name in listed]
+    return HFWeights(model_dir, files, metadata)
+
+
+def support_files(model_dir: Path) -> list[Path]:
+    """The files dcp-to-hf copies from the model directory: config, tokenizer, processor, templates."""
+    out = []
+    for path in sorted(model_dir.iterdir()):
+        if not path.is_file() or path.name.startswith("."):
+            continue
+        if path.name in _NOT_COPIED_NAMES or path.name.endswith(_NOT_COPIED_SUFFIXES):
+            continue
+        if path.name.startswith("consolidated"):
+            continue
+        out.append(path)
+    return out

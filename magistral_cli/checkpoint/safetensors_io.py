@@ -1,0 +1,239 @@
+"""Safetensors headers and a streaming safetensors writer.
+
+The format (https://huggingface.co/docs/safetensors): an 8-byte little-endian header length,
+a JSON header ``{"__metadata__": {...}, name: {"dtype", "shape", "data_offsets"}}`` padded with
+spaces to a multiple of 8 bytes, then the raw little-endian tensor bytes.
+
+``read_safetensors_header`` reads only the header (no tensor data). ``SafetensorsStreamWriter``
+writes the header first and then each tensor at its offset as soon as it arrives, so an export
+never holds a whole output file in memory (``safetensors.torch.save_file`` needs every tensor of
+the file at once). It lays the file out exactly as ``save_file`` does (same tensor order, same
+header text), so its files are byte-identical to the ones ``save_file`` writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from magistral_cli.errors import UserError
+
+#: safetensors dtype name -> torch dtype name.
+_DTYPES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3": "float8_e4m3fn",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "F64": "float64",
+    "I64": "int64",
+    "U64": "uint64",
+}
+_TORCH_TO_ST = {v: k for k, v in _DTYPES.items()}
+# safetensors orders tensors by its Dtype enum (descending), then by name; this is that enum order.
+_ORDER = [
+    "BOOL",
+    "U8",
+    "I8",
+    "F8_E5M2",
+    "F8_E4M3",
+    "I16",
+    "U16",
+    "F16",
+    "BF16",
+    "I32",
+    "U32",
+    "F32",
+    "F64",
+    "I64",
+    "U64",
+]
+_MAX_HEADER = 100 * 1024 * 1024
+# Writes of 1 MiB: one pwrite of a whole large tensor measured several times slower here.
+_WRITE_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a safetensors file: name, safetensors dtype (``BF16``) and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * _itemsize(self.dtype)
+
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, _DTYPES[self.dtype])
+
+
+def _itemsize(st_dtype: str) -> int:
+    import torch
+
+    return getattr(torch, _DTYPES[st_dtype]).itemsize
+
+
+def safetensors_dtype(torch_dtype: Any) -> str:
+    """``torch.bfloat16`` -> ``"BF16"``."""
+    name = str(torch_dtype).removeprefix("torch.")
+    if name not in _TORCH_TO_ST:
+        raise ValueError(f"dtype {name} cannot be stored in safetensors")
+    return _TORCH_TO_ST[name]
+
+
+def read_safetensors_header(path: str | Path) -> tuple[list[TensorSpec], dict[str, str]]:
+    """The tensors (in file order) and the ``__metadata__`` of a safetensors file, without its data."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) != 8:
+                raise ValueError("file shorter than 8 bytes")
+            (n,) = struct.unpack("<Q", raw_len)
+            if n > _MAX_HEADER:
+                raise ValueError(f"header length {n} is implausible")
+            header = json.loads(f.read(n))
+        metadata = header.pop("__metadata__", None) or {}
+        end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise UserError(f"{path} is not a readable safetensors file ({exc!r}); fetch it again") from None
+    size = path.stat().st_size
+    if size != 8 + n + end:
+        raise UserError(
+            f"{path} is truncated or padded: its header needs {8 + n + end} bytes, the file has {size}; fetch it again"
+        )
+    entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    specs = []
+    for name, entry in entries:
+        if entry["dtype"] not in _DTYPES:
+            raise UserError(f"{path}: tensor {name!r} has dtype {entry['dtype']}, which is not supported")
+        specs.append(TensorSpec(name, entry["dtype"], tuple(entry["shape"])))
+    return specs, metadata
+
+
+def safetensors_layout(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
+    """The order in which ``safetensors`` stores tensors: by dtype (widest enum first), then by name."""
+    return sorted(specs, key=lambda s: (-_ORDER.index(s.dtype), s.name))
+
+
+class SafetensorsStreamWriter:
+    """Write one safetensors file tensor by tensor, in any arrival order.
+
+    The header (all names, dtypes and shapes) is known up front; ``write(name, tensor)``
+    stores the bytes of one tensor at its offset; ``close()`` checks that every tensor came
+    and closes the file (with an fsync if asked).
+    """
+
+    def __init__(self, path: str | Path, specs: Iterable[TensorSpec], metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        self._specs = {s.name: s for s in safetensors_layout(specs)}
+        self._offsets: dict[str, int] = {}
+        header: dict[str, Any] = {}
+        if metadata:
+            header["__metadata__"] = dict(metadata)
+        offset = 0
+        for spec in self._specs.values():
+            header[spec.name] = {
+                "dtype": spec.dtype,
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + spec.nbytes],
+            }
+            self._offsets[spec.name] = offset
+            offset += spec.nbytes
+        text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        text += b" " * (-len(text) % 8)
+        self._data_start = 8 + len(text)
+        self.nbytes = offset
+        self._pending = set(self._specs)
+        self._remaining = {name: spec.nbytes for name, spec in self._specs.items()}
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(self._fd, struct.pack("<Q", len(text)) + text)
+
+    @property
+    def layout(self) -> list[TensorSpec]:
+        """The tensors in the order of their bytes in the file (write them in this order to append)."""
+        return list(self._specs.values())
+
+    def write(self, name: str, tensor, row_offset: int = 0) -> int:
+        """Store ``tensor`` (CPU, the declared dtype) as ``name``, or as its rows from ``row_offset``.
+
+        A tensor may come whole or in row blocks (FSDP2 shards tensors by rows, and rows are
+        contiguous in the file); it is complete once all of its bytes arrived. Returns the byte
+        count written.
+        """
+        import torch
+
+        spec = self._specs.get(name)
+        if spec is None or name not in self._pending:
+            raise ValueError(f"{self.path.name}: unexpected or repeated tensor {name!r}")
+        shape = tuple(tensor.shape)
+        rows_fit = (
+            shape == spec.shape
+            if not spec.shape
+            else shape[1:] == spec.shape[1:] and row_offset >= 0 and row_offset + shape[0] <= spec.shape[0]
+        )
+        if not rows_fit or safetensors_dtype(tensor.dtype) != spec.dtype:
+            raise ValueError(
+                f"{self.path.name}: {name!r} gets {tensor.dtype} {shape} at row {row_offset}, "
+                f"the header says {spec.dtype} {spec.shape}"
+            )
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        view = memoryview(flat.numpy()).cast("B")
+        start = (
+            self._data_start
+            + self._offsets[name]
+            + row_offset * (spec.nbytes // max(spec.shape[0], 1) if spec.shape else 0)
+        )
+        pos, end = 0, len(view)
+        while pos < end:  # pwrite may write less than asked
+            pos += os.pwrite(self._fd, view[pos : pos + _WRITE_CHUNK], start + pos)
+        self._remaining[name] -= end
+        if self._remaining[name] < 0:
+            raise ValueError(f"{self.path.name}: {name!r} got more bytes than its shape holds")
+        if self._remaining[name] == 0:
+            self._pending.discard(name)
+        return end
+
+    def close(self, fsync: bool = False) -> None:
+        """Close (after an fsync if asked); raises if a declared tensor was never written."""
+        try:
+            missing = sorted(n for n in self._pending if self._specs[n].nbytes)
+            if missing:
+                raise ValueError(
+                    f"{self.path.name}: {len(missing)} tensors never written, e.g. {missing[:5]}"
+                )
+            size = os.fstat(self._fd).st_size
+            if size != self._data_start + self.nbytes:
+                raise ValueError(
+                    f"{self.path.name} has {size} bytes, expected {self._data_start + self.nbytes}"
+                )
+            if fsync:
+                os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+
+    def abort(self) -> None:
+        """Close without checks (the caller removes the partial file)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -1,0 +1,85 @@
+"""The streaming safetensors writer against the safetensors library itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from magistral_cli.checkpoint.safetensors_io import (
+    SafetensorsStreamWriter,
+    TensorSpec,
+    read_safetensors_header,
+    safetensors_dtype,
+)
+from magistral_cli.errors import UserError
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "b.weight": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "a.weight": torch.randn(4, 4, generator=g),
+        "c.index": torch.arange(7, dtype=torch.int64),
+        "d.scale": torch.tensor(1.5),  # 0-d
+        "e.half": torch.randn(2, 3, 1, generator=g).half(),
+        "f.empty": torch.zeros(0, 3, dtype=torch.bfloat16),
+    }
+
+
+def test_stream_writer_matches_save_file_byte_for_byte(tmp_path):
+    tensors = _tensors()
+    save_file(tensors, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    specs = [TensorSpec(k, safetensors_dtype(v.dtype), tuple(v.shape)) for k, v in tensors.items()]
+    writer = SafetensorsStreamWriter(tmp_path / "ours.safetensors", specs, metadata={"format": "pt"})
+    for key in reversed(list(tensors)):  # arrival order does not matter
+        writer.write(key, tensors[key])
+    writer.close()
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    loaded = load_file(tmp_path / "ours.safetensors")
+    for key, value in tensors.items():
+        assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
+
+
+def test_header_is_read_without_data(tmp_path):
+    tensors = _tensors()
+    save_file(tensors, tmp_path / "x.safetensors", metadata={"format": "pt"})
+    specs, metadata = read_safetensors_header(tmp_path / "x.safetensors")
+    assert metadata == {"format": "pt"}
+    assert {s.name: (s.torch_dtype(), s.shape) for s in specs} == {
+        k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()
+    }
+
+
+def test_writer_refuses_wrong_tensors_and_incomplete_files(tmp_path):
+    spec = TensorSpec("w", "BF16", (2, 2))
+    writer = SafetensorsStreamWriter(tmp_path / "w.safetensors", [spec, TensorSpec("v", "F32", (1,))])
+    with pytest.raises(ValueError, match="header says BF16"):
+        writer.write("w", torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="unexpected or repeated"):
+        writer.write("nope", torch.zeros(1))
+    writer.write("w", torch.zeros(2, 2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="unexpected or repeated"):
+        writer.write("w", torch.zeros(2, 2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="1 tensors never written"):
+        writer.close()
+
+
+def test_truncated_file_is_a_user_error(tmp_path):
+    (tmp_path / "bad.safetensors").write_bytes(b"\x01\x02")
+    with pytest.raises(UserError, match="not a readable safetensors file"):
+        read_safetensors_header(tmp_path / "bad.safetensors")
+
+
+def test_row_blocks_complete_a_tensor(tmp_path):
+    full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    save_file({"w": full}, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    writer = SafetensorsStreamWriter(
+        tmp_path / "rows.safetensors", [TensorSpec("w", "F32", (6, 4))], {"format": "pt"}
+    )
+    writer.write("w", full[4:], row_offset=4)
+    with pytest.raises(ValueError, match="at row 5"):
+        writer.write("w", full[:2], row_offset=5)  # would run past the last row
+    writer.write("w", full[:4], row_offset=0)
+    writer.close()
+    assert (tmp_path / "rows.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
