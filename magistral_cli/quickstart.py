@@ -290,7 +290,9 @@ def _check_export(model_dir: Path, export: Path) -> str:
     """Load the export with transformers; the trained weights changed and the frozen ones did not."""
     import torch
     from transformers import Mistral3ForConditionalGeneration
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     before = Mistral3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
     after = Mistral3ForConditionalGeneration.from_pretrained(str(export), dtype=torch.float32)
     sd_before, sd_after = before.state_dict(), after.state_dict()

@@ -43,10 +43,13 @@ def quickstart(
         f"\n[bold green]quickstart passed[/] in {summary['wall_s']} s. Outputs in {summary['outputs']}:"
     )
     for name, path in summary["runs"].items():
-        console.print(f"  {name:<10} {path}  (metrics.jsonl, checkpoints/, logs/)")
-    console.print(f"  {'export':<10} {summary['export']}  (HF safetensors, loads with from_pretrained)")
+        console.print(f"  {name:<10} {path}  (metrics.jsonl, checkpoints/, logs/)", soft_wrap=True)
     console.print(
-        f"Next: magistral compare {summary['runs']['train']} {summary['runs']['optimized']} --plot compare.png"
+        f"  {'export':<10} {summary['export']}  (HF safetensors, loads with from_pretrained)", soft_wrap=True
+    )
+    console.print(
+        f"Next: magistral compare {summary['runs']['train']} {summary['runs']['optimized']} --plot compare.png",
+        soft_wrap=True,
     )
     if json_out:
         emit_json(summary)

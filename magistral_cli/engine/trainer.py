@@ -435,5 +435,9 @@ class Trainer:
             )
         if self.recipe.training.manual_gc_interval:
             gc.enable()
+        if self.recipe.training.freeze_gc_after_init:
+            from magistral_cli.ops.gc_policy import release_at_exit
+
+            release_at_exit()
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()

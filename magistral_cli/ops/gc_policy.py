@@ -36,3 +36,14 @@ def freeze_after_init() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def release_at_exit() -> None:
+    """Hand the frozen objects back to the collector when the training run ends.
+
+    Objects left in the permanent generation are never finalized, and native extensions that
+    count their live objects at interpreter exit (triton's nanobind bindings, which transformers
+    imports) then print pages of "leaked" warnings. The run is over, so nothing is lost.
+    """
+    if _frozen:
+        gc.unfreeze()

@@ -64,3 +64,22 @@ def test_freeze_requires_automatic_gc():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_release_at_exit_hands_frozen_objects_back():
+    result = _python(
+        """
+        import gc
+        from magistral_cli.ops.gc_policy import freeze_after_init, release_at_exit
+
+        release_at_exit()  # nothing frozen yet: a no-op
+        assert gc.get_freeze_count() == 0
+        setup = [object() for _ in range(100)]
+        assert freeze_after_init() >= 100
+        release_at_exit()
+        assert gc.get_freeze_count() == 0
+        print("ok")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"

@@ -1,0 +1,42 @@
+"""`magistral quickstart` end to end (short): assets, convert, preprocess, train, resume, export, compare."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from magistral_cli.cli.main import app
+
+
+@pytest.mark.slow
+def test_quickstart_runs_the_whole_workflow(tmp_path):
+    result = CliRunner().invoke(
+        app, ["quickstart", "--workdir", str(tmp_path), "--steps", "4", "--no-probes", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    names = [step["name"] for step in summary["steps"]]
+    assert names == ["assets", "convert", "preprocess", "train", "resume", "optimized", "export", "compare"]
+    assert summary["pass"] is True
+    by_name = {step["name"]: step for step in summary["steps"]}
+    assert by_name["compare"]["verdict"] == "PASS"
+    assert by_name["compare"]["normalized_mean_abs_diff"] < 0.02
+    assert by_name["preprocess"]["kept"] > 0 and by_name["preprocess"]["cache_reused"] is False
+    train = Path(summary["runs"]["train"])
+    assert (train / "checkpoints" / "latest").read_text().strip().endswith("step_4")
+    resumed = [
+        json.loads(line)["step"] for line in (Path(summary["runs"]["resumed"]) / "metrics.jsonl").open()
+    ]
+    assert resumed == [3, 4]
+    assert (Path(summary["export"]) / "model.safetensors.index.json").is_file()
+
+    # A second quickstart in the same workdir reuses the model, the data and the preprocessing cache.
+    again = CliRunner().invoke(
+        app, ["quickstart", "--workdir", str(tmp_path), "--steps", "2", "--no-probes", "--json"]
+    )
+    assert again.exit_code == 0, again.output
+    second = {step["name"]: step for step in json.loads(again.stdout)["steps"]}
+    assert second["preprocess"]["cache_reused"] is True
