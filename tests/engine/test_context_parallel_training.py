@@ -68,7 +68,40 @@ def _worker(rank: int, init_file: str, model_dir: str, out_dir: str) -> None:
         results["ring"] = _train(
             model, out / "ring", CP_RING, micro_batch_size=1, gradient_accumulation_steps=2
         )
+        results["refused"] = _refused_batches(model, out / "refused")
         (out / f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def _refused_batches(model_dir: Path, run_dir: Path) -> list[str]:
+    """A left-padded and a 3-D (custom) attention mask under CP: errors before any forward."""
+    trainer = Trainer(make_recipe(model_dir, run_dir, CP_ULYSSES))
+    errors = []
+    try:
+        good = next(iter(trainer.data))
+        left = dict(good, attention_mask=good["attention_mask"].flip(-1))
+        left["attention_mask"][:, -1] = 1
+        custom = dict(good, attention_mask=good["attention_mask"][:, None, :].expand(-1, 4, -1))
+        for batch in (left, custom):
+            try:
+                trainer.forward_backward([batch])
+                errors.append("")
+            except UserError as exc:
+                errors.append(str(exc))
+        assert trainer.step == 0
+    finally:
+        trainer.close()
+    return errors
+
+
+def _dp_worker(rank: int, init_file: str, model_dir: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4)
+    try:
+        # dp 2 x Ulysses 2, micro-batch 1 per dp rank: the global batch of 2 of the reference.
+        result = _train(Path(model_dir), Path(out_dir) / "dp_cp", CP_ULYSSES, micro_batch_size=1)
+        (Path(out_dir) / f"dp_rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
 
@@ -101,6 +134,10 @@ def test_ulysses_and_ring_training_equal_cp1_and_resume_exactly(tmp_path):
     # Resuming from the step-2 CP checkpoint continues exactly (same process layout, same numbers).
     assert ranks[0]["resumed"][0] == ranks[0]["ulysses"][0]
     assert (tmp_path / "resumed" / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS}"
+    for errors in (ranks[0]["refused"], ranks[1]["refused"]):
+        left, custom = errors
+        assert "context parallelism" in left and "right padding" in left
+        assert "context parallelism" in custom and "2D" in custom
     # Only rank 0 writes metrics, one record per step.
     lines = (tmp_path / "ulysses" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["loss"] for x in lines] == ranks[0]["ulysses"][0]
@@ -149,3 +186,23 @@ def test_cp_degree_must_divide_the_world(tmp_path):
     assert (dims.dp, dims.cp, dims.ulysses, dims.ring) == (2, 2, 2, 1)
     with pytest.raises(UserError, match="does not divide the world size 3"):
         ParallelDims.from_recipe(recipe, 3)
+
+
+@pytest.mark.slow
+def test_data_parallel_times_ulysses_on_four_processes_equals_cp1(tmp_path):
+    """dp 2 x CP 2: the data is split over dp only, the loss and token counts once per dp replica,
+    the gradient norm over the dp x cp shards; and one dp rank's micro-batch is text-only while
+    the other's has an image (the FSDP units still run in the same order everywhere)."""
+    model_dir = tmp_path / "model"
+    write_tiny_model(model_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(
+            _dp_worker, args=(os.path.join(tmp, "init"), str(model_dir), str(tmp_path)), nprocs=4, join=True
+        )
+    ranks = [json.loads((tmp_path / f"dp_rank{r}.json").read_text()) for r in range(4)]
+    reference, ref_norms, ref_tokens, _ = _train(model_dir, tmp_path / "cp1", [])
+    losses, norms, tokens, info = ranks[0]
+    assert info == {"dp": 2, "cp": 2, "step": STEPS, "cp_communication": True}
+    assert losses == pytest.approx(reference, rel=1e-5)
+    assert norms == pytest.approx(ref_norms, rel=1e-4)
+    assert tokens == ref_tokens
