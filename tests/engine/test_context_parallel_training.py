@@ -32,6 +32,12 @@ CP_RING = [
     "features.enable_chunk_loss=true",
     "features.chunkloss_plan.chunk_size=16",
 ]
+CP_HYBRID = [
+    "parallel.ulysses_parallel_size=2",
+    "parallel.ring_attention_size=2",
+    "features.recompute=true",
+    "features.recompute_plan.apply_modules=['model.language_model.layers.{*}']",
+]
 
 
 def _train(model_dir: Path, run_dir: Path, overrides: list[str], max_steps: int | None = None, **training):
@@ -100,7 +106,9 @@ def _dp_worker(rank: int, init_file: str, model_dir: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4)
     try:
         # dp 2 x Ulysses 2, micro-batch 1 per dp rank: the global batch of 2 of the reference.
-        result = _train(Path(model_dir), Path(out_dir) / "dp_cp", CP_ULYSSES, micro_batch_size=1)
+        result = {"dp_cp": _train(Path(model_dir), Path(out_dir) / "dp_cp", CP_ULYSSES, micro_batch_size=1)}
+        # Hybrid: Ulysses 2 x Ring 2 over the 4 ranks, with the decoder layers recomputed in backward.
+        result["hybrid"] = _train(Path(model_dir), Path(out_dir) / "hybrid", CP_HYBRID)
         (Path(out_dir) / f"dp_rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -189,10 +197,11 @@ def test_cp_degree_must_divide_the_world(tmp_path):
 
 
 @pytest.mark.slow
-def test_data_parallel_times_ulysses_on_four_processes_equals_cp1(tmp_path):
+def test_four_processes_data_parallel_times_ulysses_and_hybrid_equal_cp1(tmp_path):
     """dp 2 x CP 2: the data is split over dp only, the loss and token counts once per dp replica,
     the gradient norm over the dp x cp shards; and one dp rank's micro-batch is text-only while
-    the other's has an image (the FSDP units still run in the same order everywhere)."""
+    the other's has an image (the FSDP units still run in the same order everywhere). Hybrid
+    (Ulysses 2 x Ring 2) with activation checkpointing trains like CP=1 too."""
     model_dir = tmp_path / "model"
     write_tiny_model(model_dir)
     with tempfile.TemporaryDirectory() as tmp:
@@ -201,8 +210,9 @@ def test_data_parallel_times_ulysses_on_four_processes_equals_cp1(tmp_path):
         )
     ranks = [json.loads((tmp_path / f"dp_rank{r}.json").read_text()) for r in range(4)]
     reference, ref_norms, ref_tokens, _ = _train(model_dir, tmp_path / "cp1", [])
-    losses, norms, tokens, info = ranks[0]
-    assert info == {"dp": 2, "cp": 2, "step": STEPS, "cp_communication": True}
-    assert losses == pytest.approx(reference, rel=1e-5)
-    assert norms == pytest.approx(ref_norms, rel=1e-4)
-    assert tokens == ref_tokens
+    for name, (dp, cp) in {"dp_cp": (2, 2), "hybrid": (1, 4)}.items():
+        losses, norms, tokens, info = ranks[0][name]
+        assert info == {"dp": dp, "cp": cp, "step": STEPS, "cp_communication": True}, name
+        assert losses == pytest.approx(reference, rel=1e-5), name
+        assert norms == pytest.approx(ref_norms, rel=1e-4), name
+        assert tokens == ref_tokens, name
