@@ -6,6 +6,7 @@
 2. ``apply_ac``          activation checkpointing over ``features.recompute_plan``
 3. ``apply_fsdp``        FSDP2 ``fully_shard`` bottom-up over ``parallel.fsdp_plan``, then the root
 4. ``apply_prefetch``    explicit all-gather prefetch between consecutive layers
+5. ``ops.context_parallel.apply_context_parallel`` when the CP degree is above 1
 """
 
 from __future__ import annotations

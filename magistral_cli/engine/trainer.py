@@ -101,7 +101,12 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
 
 
 class Trainer:
-    """Pure-FSDP2 training of Mistral3 from a resolved recipe.
+    """FSDP2 training of Mistral3 from a resolved recipe, with optional context parallelism.
+
+    With ``parallel.ulysses_parallel_size x ring_attention_size`` = cp > 1 the world is
+    dp x cp: FSDP2 shards over all ranks, the data is split over dp only (the ranks of a CP
+    group read the same micro-batches), and the decoder runs on each rank's part of the
+    sequence (``ops.context_parallel``); losses, token counts and the gradient equal CP=1's.
 
     ``data`` replaces the recipe's data source (tests pass ``SyntheticBatches``); everything
     else comes from the recipe.
