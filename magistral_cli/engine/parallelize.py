@@ -6,6 +6,7 @@
 2. ``apply_ac``          activation checkpointing over ``features.recompute_plan``
 3. ``apply_fsdp``        FSDP2 ``fully_shard`` bottom-up over ``parallel.fsdp_plan``, then the root
 4. ``apply_prefetch``    explicit all-gather prefetch between consecutive layers
+5. ``ops.context_parallel.apply_context_parallel`` when the CP degree is above 1
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ class ParallelDims:
     world_size: int
     dp: int
     cp: int
+    ulysses: int = 1
+    ring: int = 1
 
     @classmethod
     def from_recipe(cls, recipe: Recipe, world_size: int) -> ParallelDims:
@@ -95,26 +98,28 @@ class ParallelDims:
             dp = check_world_size(recipe, world_size)
         except ValueError as exc:
             raise UserError(str(exc)) from None
-        cp = recipe.parallel.cp_size
-        if cp > 1:
-            raise UserError(
-                f"context parallelism (ulysses_parallel_size x ring_attention_size = {cp}) is not supported by "
-                "this engine yet; set parallel.ulysses_parallel_size=1 parallel.ring_attention_size=1"
-            )
-        return cls(world_size=world_size, dp=dp, cp=cp)
+        par = recipe.parallel
+        return cls(
+            world_size=world_size,
+            dp=dp,
+            cp=par.cp_size,
+            ulysses=par.ulysses_parallel_size,
+            ring=par.ring_attention_size,
+        )
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        return init_device_mesh(device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
+    def build_mesh(self, device_type: str):
+        """The device meshes (a ``ContextParallelMesh``: ``.mesh``, ``.dp``, ``.cp``, ``.dp_cp``).
 
-    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """The 1D mesh FSDP shards over: every rank (dp x cp), as the seed does.
-
-        It must be 1D: given a 2D mesh, fully_shard means HSDP (replicate over the first
-        dimension, shard over the second), which would replicate the model over dp.
+        With CP: ``("dp", "ring", "ulysses")`` (the layout the CP attention expects), FSDP over
+        the flattened ``dp_cp``, as the seed does. Without: ``("dp", "cp")`` with cp = 1, and
+        ``dp_cp`` is the dp mesh itself (1D: given a 2D mesh, fully_shard means HSDP).
         """
-        if self.cp == 1:
-            return mesh["dp"]
-        return mesh["dp", "cp"]._flatten("dp_cp")
+        from magistral_cli.ops.context_parallel import ContextParallelMesh, build_cp_mesh
+
+        if self.cp > 1:
+            return build_cp_mesh(device_type, self.ulysses, self.ring, self.world_size)
+        mesh = init_device_mesh(device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
+        return ContextParallelMesh(mesh=mesh, dp=mesh["dp"], cp=mesh["cp"], dp_cp=mesh["dp"])
 
 
 def apply_freeze(model: nn.Module, patterns: list[str]) -> list[str]:

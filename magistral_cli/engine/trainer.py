@@ -23,6 +23,12 @@ from torch.distributed.checkpoint.state_dict import (
 from magistral_cli.config.schema import Recipe
 from magistral_cli.errors import UserError
 from magistral_cli.ops.attention import resolve_attention, validate_right_padding
+from magistral_cli.ops.context_parallel import (
+    apply_context_parallel,
+    check_cp_model,
+    check_cp_recipe,
+    cp_groups_from_mesh,
+)
 
 from . import checkpoint as ckpt
 from .data import DataSource, build_data
@@ -84,12 +90,23 @@ def set_rng_state(state: dict[str, Any], device_type: str) -> None:
         mod.set_rng_state(state["device"])
 
 
+def _loss_head_sum(hidden, lm_head, labels, num_items):
+    """The CP loss function: the trainer's loss head (chunked when ``features.enable_chunk_loss``)
+    on this rank's hidden states and shifted labels."""
+    return lm_head(hidden, labels) / num_items
+
+
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 class Trainer:
-    """Pure-FSDP2 training of Mistral3 from a resolved recipe.
+    """FSDP2 training of Mistral3 from a resolved recipe, with optional context parallelism.
+
+    With ``parallel.ulysses_parallel_size x ring_attention_size`` = cp > 1 the world is
+    dp x cp: FSDP2 shards over all ranks, the data is split over dp only (the ranks of a CP
+    group read the same micro-batches), and the decoder runs on each rank's part of the
+    sequence (``ops.context_parallel``); losses, token counts and the gradient equal CP=1's.
 
     ``data`` replaces the recipe's data source (tests pass ``SyntheticBatches``); everything
     else comes from the recipe.
@@ -113,10 +130,16 @@ class Trainer:
         self.device, self._owns_process_group = init_distributed(self.device_type)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dims = ParallelDims.from_recipe(recipe, self.world_size)
-        self.mesh = self.dims.build_mesh(self.device_type)
-        self.dp_mesh = self.mesh["dp"]
+        check_cp_recipe(recipe)
+        # Data parallel x context parallel. The data is sharded over dp only (every rank of a
+        # CP group reads the same micro-batches); FSDP2 shards the model over dp x cp.
+        self.meshes = self.dims.build_mesh(self.device_type)
+        self.dp_mesh = self.meshes.dp
         self.dp_group = self.dp_mesh.get_group()
         self.dp_rank = self.dp_mesh.get_local_rank()
+        self.fsdp_group = self.meshes.dp_cp.get_group()
+        self.cp_groups = cp_groups_from_mesh(self.meshes) if self.dims.cp > 1 else None
+        self.cp_rank = self.cp_groups.cp_rank if self.cp_groups is not None else 0
         seed_everything(training.seed, self.device_type)
         if training.manual_gc_interval:
             gc.disable()
@@ -147,6 +170,7 @@ class Trainer:
                 "model.model_name_or_path is not set; point it at the model directory (config.json)"
             )
         config = load_model_config(recipe.model.model_name_or_path, recipe.model.trust_remote_code)
+        check_cp_model(config.text_config, self.dims.ulysses)
         self.attn_implementation = resolve_attention(recipe.model.attn_implementation, self.device_type)
         meta = training.init_model_with_meta_device
         model = build_model(config, meta=meta, attn_implementation=self.attn_implementation)
@@ -185,10 +209,27 @@ class Trainer:
 
             enable_triton_split_copy()
         with output_capture_survives_wrapping(model):
-            units = apply_fsdp(model, self.dims.fsdp_mesh(self.mesh), plan)
+            units = apply_fsdp(model, self.meshes.dp_cp, plan)
         apply_prefetch(model, plan)
-        log.info("FSDP2 over %d ranks: %d units + root; frozen: %s", self.dims.dp, len(units), self.frozen)
-        # 5. Materialize: sharded storage on the device (loading fills it in _load_initial_state).
+        log.info(
+            "FSDP2 over %d ranks (dp %d x cp %d): %d units + root; frozen: %s",
+            self.dims.dp * self.dims.cp,
+            self.dims.dp,
+            self.dims.cp,
+            len(units),
+            self.frozen,
+        )
+        # 5. Context parallelism: the decoder runs on this rank's part of the sequence; the
+        #    root forward returns the loss SUM over the whole sequence, as without CP.
+        if self.cp_groups is not None:
+            apply_context_parallel(model, self.cp_groups, loss_fn=_loss_head_sum)
+            log.info(
+                "context parallel: %s (ulysses %d x ring %d)",
+                self.cp_groups.mode,
+                self.cp_groups.ulysses_size,
+                self.cp_groups.ring_size,
+            )
+        # 6. Materialize: sharded storage on the device (loading fills it in _load_initial_state).
         if meta:
             materialize(model, self.device)
         return model
@@ -313,7 +354,14 @@ class Trainer:
         local = torch.zeros(2, dtype=torch.int64)
         for mb in micro_batches:
             # Host-side checks and counts: the batches are still on the CPU, so no device sync.
-            validate_right_padding(mb["attention_mask"])
+            # Every rank of a CP group holds the same micro-batches: counting over dp counts
+            # each token once.
+            try:
+                validate_right_padding(mb["attention_mask"])
+            except ValueError as exc:
+                if self.cp_groups is None:
+                    raise
+                raise UserError(f"context parallelism: {exc}") from None
             local[0] += (mb["labels"][:, 1:] != -100).sum()
             local[1] += mb["attention_mask"].sum()
         counts = local.to(self.device)
@@ -327,7 +375,13 @@ class Trainer:
         for i, mb in enumerate(micro_batches):
             # Gradient accumulation without communication: reduce-scatter on the last micro-batch only.
             self.model.set_requires_gradient_sync(i == last)
-            loss = self.model(**_to_device(mb, self.device))
+            if self.cp_groups is None:
+                loss = self.model(**_to_device(mb, self.device))
+            else:
+                # num_items 1: the summed token losses of the whole sequence, like the plain
+                # forward. The CP loss reduction scales each rank's backward by cp, which
+                # FSDP's average over dp x cp takes back out: the dp scale below stays right.
+                loss = self.model(**_to_device(mb, self.device), num_items_in_batch=1).loss
             if scale is None:
                 pending.wait()
                 # FSDP averages gradients over the dp ranks; multiplying by dp undoes that
@@ -348,7 +402,11 @@ class Trainer:
             group["lr"] = lr
         if loss_sum is None:
             loss_sum = torch.zeros((), device=self.device)
-        grad_norm, global_loss_sum = grad_norm_and_sums(self.trainable, loss_sum, group=self.dp_group)
+        # The gradient shards span dp x cp; the loss sum is the same on every rank of a CP group,
+        # so only CP rank 0 contributes it (the sum then counts each dp replica once).
+        if self.cp_rank:
+            loss_sum = torch.zeros_like(loss_sum)
+        grad_norm, global_loss_sum = grad_norm_and_sums(self.trainable, loss_sum, group=self.fsdp_group)
         clip_grads_(self.trainable, self.recipe.training.clip_grad, grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

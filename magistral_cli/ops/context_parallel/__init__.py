@@ -6,15 +6,17 @@ What the trainer calls (in this order):
    "ulysses")`` and its flattened ``meshes.cp`` and ``meshes.dp_cp``; FSDP2 shards over
    ``meshes.dp_cp``.
 2. ``groups = cp_groups_from_mesh(meshes)``.
-3. ``check_cp_recipe(recipe)`` before the first step (neat_packing and the like).
+3. ``check_cp_recipe(recipe)`` and ``check_cp_model(text_config, ulysses_size)`` before the first
+   step (neat_packing, padding scored by the loss, heads that Ulysses cannot split).
 4. ``apply_context_parallel(model, groups, loss_fn=None)``: the CP attention for the language
    model only, and ``model(input_ids=..., labels=..., pixel_values=..., image_sizes=...,
    attention_mask=..., position_ids=..., num_items_in_batch=...)`` then returns a loss equal to
    the CP=1 loss. Every CP rank passes the same full batch.
 5. FSDP2 over ``meshes.dp_cp`` with its default gradient averaging: the CP loss reduction
    scales each rank's backward by the CP degree, so the average over ``dp x cp`` is the CP=1
-   gradient. (``shard_keeping_output_capture`` works around transformers 5 losing
-   ``_can_record_outputs`` when ``fully_shard`` swaps a PreTrainedModel's class.)
+   gradient. (Shard inside ``magistral_cli.engine.model.output_capture_survives_wrapping``:
+   transformers 5 loses ``_can_record_outputs`` when ``fully_shard`` swaps a PreTrainedModel's
+   class.)
 
 On NPU, ``set_attention_backends(local=...)`` plugs ``npu_fusion_attention`` in as the local
 attention that Ulysses wraps.
@@ -50,6 +52,7 @@ from magistral_cli.ops.context_parallel.layout import (
 from magistral_cli.ops.context_parallel.model import (
     ContextParallelOutput,
     apply_context_parallel,
+    check_cp_model,
     check_cp_recipe,
     chunked_cross_entropy_loss,
     context_parallel_forward,
@@ -69,6 +72,7 @@ __all__ = [
     "active_cp_groups",
     "apply_context_parallel",
     "build_cp_mesh",
+    "check_cp_model",
     "check_cp_recipe",
     "chunked_cross_entropy_loss",
     "context_parallel",

@@ -230,6 +230,8 @@ def _shard_like_the_trainer(model, meshes, dtype) -> list:
     language model, lm_head, then the root; ``param_dtype=dtype``, fp32 reduction."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from magistral_cli.engine.model import output_capture_survives_wrapping
+
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     inner = model.model
     units = [
@@ -240,26 +242,10 @@ def _shard_like_the_trainer(model, meshes, dtype) -> list:
         inner.language_model,
         model.lm_head,
     ]
-    for unit in [*units, model]:
-        shard_keeping_output_capture(fully_shard, unit, mesh=meshes.dp_cp, mp_policy=policy)
+    with output_capture_survives_wrapping(model):
+        for unit in [*units, model]:
+            fully_shard(unit, mesh=meshes.dp_cp, mp_policy=policy)
     return [*units, model]
-
-
-def shard_keeping_output_capture(fully_shard, module, **kwargs):
-    """``fully_shard(module, **kwargs)`` that keeps transformers' output capturing working.
-
-    transformers 5 looks a model's ``_can_record_outputs`` up by ``str(model.__class__)``;
-    ``fully_shard`` swaps the class for ``FSDP<Class>``, the lookup then finds nothing, and
-    ``Mistral3Model.get_image_features`` fails on ``hidden_states`` being ``None``. Registering
-    the same entry under the new class restores it.
-    """
-    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
-
-    can_record = _CAN_RECORD_REGISTRY.get(module)
-    result = fully_shard(module, **kwargs)
-    if can_record:
-        _CAN_RECORD_REGISTRY[module] = can_record
-    return result
 
 
 def run_cp_equivalence(

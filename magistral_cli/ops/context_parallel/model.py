@@ -142,6 +142,23 @@ def check_cp_recipe(recipe) -> None:
             "sequence; set data.dataset_param.basic_parameters.neat_packing: false (plain packing is then "
             "causal across samples) or set both CP sizes to 1"
         )
+    collate = recipe.data.dataloader_param.collate_param
+    if not collate.ignore_pad_token_for_loss:
+        raise UserError(
+            "context parallelism does not score padding tokens, so "
+            "data.dataloader_param.collate_param.ignore_pad_token_for_loss: false would train differently "
+            "from CP=1; set it to true or set both CP sizes to 1"
+        )
+
+
+def check_cp_model(text_config, ulysses_size: int) -> None:
+    """Errors before the first step for a model that Ulysses cannot split (a ``UserError``)."""
+    heads = text_config.num_attention_heads
+    if ulysses_size > 1 and heads % ulysses_size:
+        raise ContextParallelError(
+            f"Ulysses splits the attention heads over ulysses_parallel_size: {heads} heads do not divide "
+            f"over {ulysses_size}; use a ulysses_parallel_size that divides {heads} (or ring_attention_size)"
+        )
 
 
 @dataclass
@@ -191,6 +208,13 @@ def context_parallel_forward(
         features = torch.cat(image_outputs.pooler_output, dim=0).to(embeds.device, embeds.dtype)
         mask = inner.get_placeholder_mask(input_ids, inputs_embeds=embeds, image_features=features)
         embeds = embeds.masked_scatter(mask, features)
+    elif hasattr(model, "_blank_image_features"):
+        # The trainer's model: a text-only micro-batch runs the vision tower on one blank image
+        # and adds 0 x its output, so that every rank runs the same FSDP units in the same
+        # order (a data-parallel peer's micro-batch may hold images).
+        with forbid_cp_communication("the vision tower"):
+            blank = model._blank_image_features(embeds)
+        embeds = embeds + 0.0 * blank.to(embeds.dtype)
 
     batch, seq_len = input_ids.shape
     if position_ids is None:
