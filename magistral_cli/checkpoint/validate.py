@@ -179,6 +179,8 @@ def dcp_checkpoint_dir(dcp_dir: str | Path, layout: str) -> Path:
     path = Path(dcp_dir)
     if layout == "megatron" and (path / MEGATRON_RELEASE_DIR).is_dir():
         return path / MEGATRON_RELEASE_DIR
+    if not (path / DCP_METADATA).is_file() and (path / MEGATRON_RELEASE_DIR / DCP_METADATA).is_file():
+        return path / MEGATRON_RELEASE_DIR  # a megatron conversion checked as another layout: report its keys
     if not (path / DCP_METADATA).is_file():
         if layout == "megatron":
             raise UserError(f"{path} has no {MEGATRON_RELEASE_DIR}/ with a DCP checkpoint ({DCP_METADATA})")

@@ -26,6 +26,14 @@ def test_generic_conversion_rejected_by_megatron_validation(tiny_hf, tmp_path):
     assert "unexpected=" in str(info.value) and "layout megatron" in str(info.value)
 
 
+def test_megatron_conversion_rejected_by_fsdp2_validation(tiny_hf, tmp_path):
+    convert_hf_to_dcp(tiny_hf.hf_dir, tmp_path / "m", "megatron")
+    validation = validate_dcp(tiny_hf.hf_dir, tmp_path / "m", "fsdp2")
+    assert not validation.ok and validation.matching_layout == "megatron"
+    with pytest.raises(CheckFailed, match="These keys are those of the megatron layout"):
+        require_valid(validation)
+
+
 def test_wrong_tensor_shapes_rejected(tiny_hf, tmp_path):
     """The seed's test: a megatron-layout DCP whose tensors were cut to one row."""
     target = tmp_path / "wrong_shapes" / "release"
