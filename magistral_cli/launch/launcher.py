@@ -11,8 +11,11 @@ Multi-node runs use torchrun's own static rendezvous (``--nnodes --node-rank
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -217,19 +220,38 @@ def plan_launch(recipe_path: str | Path, overrides: list[str], options: LaunchOp
 
 
 def run_launch(plan: LaunchPlan, console) -> int:
-    """Run torchrun; return its exit status (non-zero when any rank failed)."""
+    """Run torchrun; return its exit status (non-zero when any rank failed).
+
+    Ctrl-C reaches torchrun directly (same process group); a SIGTERM sent to this process is
+    passed on to torchrun, which stops its ranks, so no rank outlives the command.
+    """
     env = {**os.environ, **plan.env_added}
-    start = time.monotonic()
-    try:
-        code = subprocess.run(plan.command, env=env, check=False).returncode
-    except KeyboardInterrupt:
-        code = 130
     summary = plan.run_dir / "summary.json"
-    if not summary.exists():
-        # The engine writes summary.json when it finishes; if it did not get that far, record how it ended.
-        write_json(
-            summary, {"steps": None, "wall_s": round(time.monotonic() - start, 3), "exit_status": code}
-        )
+    # A summary left by an earlier launch into this run directory (a resume) would describe that launch.
+    summary.unlink(missing_ok=True)
+    start = time.monotonic()
+    child = subprocess.Popen(plan.command, env=env)
+
+    def _forward(signum, _frame):
+        child.send_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, _forward)
+    try:
+        while True:
+            try:
+                code = child.wait()
+                break
+            except KeyboardInterrupt:
+                continue  # torchrun got the same SIGINT and is stopping its ranks: wait for it
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    record = {"steps": None, "wall_s": round(time.monotonic() - start, 3), "exit_status": code}
+    if summary.exists():
+        with contextlib.suppress(ValueError):
+            record = {**json.loads(summary.read_text(encoding="utf-8")), "exit_status": code}
+    # The engine writes summary.json when it finishes; the launcher records how the whole job ended
+    # (a rank can fail after rank 0 wrote its summary).
+    write_json(summary, record)
     if code != 0:
         console.print(f"[red]training failed[/] (exit status {code}); per-rank logs: {plan.run_dir / 'logs'}")
     return code

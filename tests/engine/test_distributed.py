@@ -98,3 +98,43 @@ def test_two_processes_checkpoint_kill_and_exact_resume(tmp_path):
     assert (checkpoints / "latest").read_text().strip() == f"step_{STEPS}"
     summary = json.loads((broken / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["exit_status"] == 0
+
+
+def test_sigterm_to_the_command_stops_every_rank(tmp_path):
+    """`kill <magistral train>` reaches torchrun: no rank outlives the command, the summary says how it ended."""
+    import signal
+    import time
+
+    model_dir = tmp_path / "model"
+    write_tiny_model(model_dir)
+    recipe = tmp_path / "tiny.yaml"
+    data = recipe_dict(model_dir, tmp_path / "unused", micro_batch_size=1, train_iters=10_000, resume="auto")
+    del data["training"]["output_dir"]
+    recipe.write_text(yaml.safe_dump(data))
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-c",
+        "from magistral_cli.cli.main import main; main()",
+        "train",
+        str(recipe),
+        "--nproc-per-node",
+        "2",
+        f"training.output_dir={run_dir}",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None, "training ended before it was signalled"
+        assert time.monotonic() < deadline, "no training step within 240 s"
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) != 0
+    ranks = subprocess.run(
+        ["pgrep", "-f", str(run_dir / "resolved_config.yaml")], capture_output=True, text=True
+    )
+    assert ranks.stdout.strip() == "", f"ranks still running: {ranks.stdout}"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["exit_status"] != 0
