@@ -187,6 +187,9 @@ def main() -> None:
             for sync in ("", "_fsync"):
                 flag = "fsync" if sync else "-"
                 rows["copy" + sync].append(copy_shards(work / "hf", work / f"copy{r}", fsync=bool(sync)))
+                # Each measurement starts with only its inputs in the page cache: outputs left
+                # behind would shrink free memory and make the later runs pay for page reclaim.
+                shutil.rmtree(work / f"copy{r}")
                 res = _child("hf-to-dcp", str(work / "hf"), str(work / f"dcp{r}"), "-", flag)
                 rows["hf2dcp" + sync].append(res["seconds"])
                 mem["hf2dcp" + sync].append(res)
@@ -195,7 +198,7 @@ def main() -> None:
                 )
                 rows["dcp2hf" + sync].append(res["seconds"])
                 mem["dcp2hf" + sync].append(res)
-                for d in (f"copy{r}", f"out{r}", f"dcp{r}"):
+                for d in (f"out{r}", f"dcp{r}"):
                     shutil.rmtree(work / d)
         size = info["bytes"]
         budget = info["largest_shard"] + 512 * MIB

@@ -16,10 +16,18 @@ serialize each whole output file in memory (``safetensors.torch.save``) from a s
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
+import math
+import os
+import re
 import shutil
+import struct
+import sys
 import time
 import warnings
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +67,9 @@ class ExportResult:
     bytes: int
     seconds: float
     copied: list[str]
+    #: How many DCP read items were copied file to file ("direct") and how many went through
+    #: DCP's reader ("torch_load").
+    reads: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
@@ -72,6 +83,7 @@ class ExportResult:
             "seconds": round(self.seconds, 3),
             "throughput_mib_s": round(self.bytes / 2**20 / self.seconds, 1) if self.seconds > 0 else None,
             "copied": self.copied,
+            "reads": self.reads,
         }
 
 
@@ -175,6 +187,196 @@ def _make_streaming_planner(sink: Callable[[str, object, int], None]):
     return StreamingLoadPlanner()
 
 
+class _FileRange(io.RawIOBase):
+    """Bytes ``[start, start + length)`` of an open file, as a read-only seekable stream (pread:
+    the descriptor's own offset is left alone)."""
+
+    def __init__(self, fd: int, start: int, length: int):
+        super().__init__()
+        self._fd, self._start, self._length, self._pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        if base + pos < 0:
+            raise ValueError("negative seek position")
+        self._pos = base + pos
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), self._length - self._pos)
+        if n <= 0:
+            return 0
+        data = os.pread(self._fd, n, self._start + self._pos)
+        buffer[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+_RECORD = re.compile(r"[^/]+/data/\d+")
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, then the name and extra field lengths
+
+
+def _record_data(fd: int, start: int, length: int, record: zipfile.ZipInfo) -> int | None:
+    """Where an uncompressed zip record's bytes begin, from the start of its archive (at ``start``)."""
+    if record.compress_type != zipfile.ZIP_STORED or record.compress_size != record.file_size:
+        return None
+    header = os.pread(fd, _LOCAL_HEADER.size, start + record.header_offset)
+    if len(header) != _LOCAL_HEADER.size:
+        return None
+    signature, name_len, extra_len = _LOCAL_HEADER.unpack(header)
+    if signature != b"PK\x03\x04":
+        return None
+    data = record.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    return data if data + record.file_size <= length else None
+
+
+def locate_rows(fd: int, start: int, length: int, dtype, storage_offsets, lengths) -> tuple[int, int] | None:
+    """Where the bytes of one DCP read item lie in its ``.distcp`` file, or None.
+
+    ``start``/``length`` are the item's bytes (DCP's ``_StorageInfo.offset``/``.length``): one
+    ``torch.save`` archive, a zip of the pickled tensor and one record of its storage's raw bytes.
+    When that record is stored uncompressed, holds ``dtype`` little-endian, and the tensor is
+    contiguous, the rows ``storage_offsets``/``lengths`` ask for (whole rows: all of every other
+    dimension) are one run of bytes of the file: returns its (file offset, byte count). Any
+    other case (compressed or transformed items, another dtype, strides, a split of the
+    columns) returns None, and the caller reads the item through ``torch.load``.
+
+    The tensor's geometry comes from ``torch.load(..., weights_only=True, map_location="meta")``,
+    which reads the pickle but no storage bytes; the record's place from ``zipfile``.
+    """
+    import torch
+
+    if sys.byteorder != "little":
+        return None
+    view = _FileRange(fd, start, length)
+    try:
+        with zipfile.ZipFile(view) as archive:
+            infos = archive.infolist()
+        records = [i for i in infos if _RECORD.fullmatch(i.filename)]
+        if len(records) != 1:
+            return None
+        record = records[0]
+        data = _record_data(fd, start, length, record)
+        if data is None:
+            return None
+        # DCP saves with torch's CRC computation off (CRC 0, which zipfile.read rejects and
+        # torch.load never checks): read the byte-order record (absent in old archives: native
+        # order) as raw bytes too.
+        for info in infos:
+            if info.filename.endswith("/byteorder"):
+                where = _record_data(fd, start, length, info)
+                if where is None or os.pread(fd, info.file_size, start + where) != b"little":
+                    return None
+        view.seek(0)
+        tensor = torch.load(view, map_location="meta", weights_only=True)
+    except (zipfile.BadZipFile, RuntimeError, ValueError, OSError, EOFError, KeyError):
+        return None
+    if (
+        type(tensor) is not torch.Tensor
+        or tensor.dtype != dtype
+        or tensor.layout != torch.strided
+        or not tensor.is_contiguous()
+        or tensor.untyped_storage().nbytes() != record.file_size
+        or len(storage_offsets) != tensor.dim()
+        or len(lengths) != tensor.dim()
+    ):
+        return None
+    itemsize = dtype.itemsize
+    first = tensor.storage_offset() * itemsize
+    if first + tensor.numel() * itemsize > record.file_size:
+        return None
+    if tensor.dim() == 0:
+        return start + data + first, itemsize
+    shape = tuple(tensor.shape)
+    if any(o != 0 or n != s for o, n, s in zip(storage_offsets[1:], lengths[1:], shape[1:], strict=True)):
+        return None
+    if storage_offsets[0] < 0 or lengths[0] < 0 or storage_offsets[0] + lengths[0] > shape[0]:
+        return None
+    row_bytes = math.prod(shape[1:]) * itemsize
+    return start + data + first + storage_offsets[0] * row_bytes, lengths[0] * row_bytes
+
+
+def _make_direct_reader(
+    checkpoint_dir: Path, metadata, sink_range, counts: dict[str, int], direct: bool = True
+):
+    """A FileSystemReader that copies each tensor item's bytes from its ``.distcp`` file straight
+    into the output file (``sink_range(dcp_key, fd, offset, nbytes, row_offset)``), where
+    ``locate_rows`` finds them, and hands every other item to DCP's own reader (``torch.load``,
+    then the load planner), in the checkpoint's order. ``counts`` tallies the items of each path;
+    ``direct=False`` sends every item to DCP's reader.
+
+    DCP's reader deserializes every item with ``torch.load`` (a zip archive per tensor) into a
+    fresh tensor and copies it into the planner's; the direct copy skips both and keeps the
+    bytes out of the process.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.futures import Future
+
+    def whole_rows(item) -> bool:
+        md = metadata.state_dict_metadata[item.dest_index.fqn]
+        return all(
+            offset == 0 and length == size
+            for offset, length, size in zip(item.dest_offsets[1:], item.lengths[1:], md.size[1:], strict=True)
+        )
+
+    class DirectReader(FileSystemReader):
+        def read_data(self, plan, planner):
+            # A tensor goes the direct way only if every chunk of it is a block of whole rows:
+            # the planner assembles the others whole and must see all of their chunks.
+            rows_only: dict[str, bool] = {}
+            for item in plan.items:
+                fqn = item.dest_index.fqn
+                rows_only[fqn] = (
+                    rows_only.get(fqn, True) and item.type == LoadItemType.TENSOR and whole_rows(item)
+                )
+            per_file: dict[str, list] = {}
+            for item in plan.items:
+                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            for relative_path, items in per_file.items():
+                fd = os.open(checkpoint_dir / relative_path, os.O_RDONLY)
+                try:
+                    pending: list = []
+                    for item in items:
+                        info = self.storage_data[item.storage_index]
+                        where = None
+                        fqn = item.dest_index.fqn
+                        if direct and rows_only[fqn] and not info.transform_descriptors:
+                            dtype = metadata.state_dict_metadata[fqn].properties.dtype
+                            where = locate_rows(
+                                fd, info.offset, info.length, dtype, item.storage_offsets, item.lengths
+                            )
+                        if where is None:
+                            pending.append(item)
+                            continue
+                        if pending:  # keep the checkpoint's order: earlier items first
+                            super().read_data(dataclasses.replace(plan, items=pending), planner).wait()
+                            counts["torch_load"] += len(pending)
+                            pending = []
+                        row = item.dest_offsets[0] if len(item.dest_offsets) else 0
+                        sink_range(fqn, fd, where[0], where[1], row)
+                        counts["direct"] += 1
+                    if pending:
+                        super().read_data(dataclasses.replace(plan, items=pending), planner).wait()
+                        counts["torch_load"] += len(pending)
+                finally:
+                    os.close(fd)
+            done: Future = Future()
+            done.set_result(None)
+            return done
+
+    return DirectReader(str(checkpoint_dir))
+
+
 def _unwrap(exc, checkpoint_dir: Path) -> BaseException:
     """DCP wraps every failure, even Ctrl-C, in a CheckpointException (a BaseException): unwrap it."""
     failures = [failure for failure, _ in exc.failures.values()]
@@ -191,6 +393,7 @@ def export_dcp_to_hf(
     layout: str = "official",
     progress: ProgressFn | None = None,
     fsync: bool = False,
+    direct: bool = True,
 ) -> ExportResult:
     """Write the model tensors of the DCP checkpoint ``dcp_dir`` as an HF model directory ``out_dir``.
 
@@ -198,11 +401,12 @@ def export_dcp_to_hf(
     processor files (copied) and the file split of its weights (kept). ``layout`` names the keys:
     ``official`` (mistralai's repository) or ``transformers`` (``save_pretrained``). Tensor values
     and dtypes are kept exactly. ``out_dir`` must not exist; on failure nothing is left behind.
-    ``fsync=True`` syncs every file to disk before the directory appears.
+    ``fsync=True`` syncs every file to disk before the directory appears. ``direct=False``
+    reads every tensor through DCP's own reader (``torch.load`` of each item) instead of copying
+    the bytes of plain items file to file (the result is the same; the direct copy is faster).
     """
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
 
     if layout not in EXPORT_LAYOUTS:
@@ -269,6 +473,7 @@ def export_dcp_to_hf(
     destination = {prefix + k: (name, out_key(k)) for name, keys in files.items() for k in keys}
     total = sum(s.nbytes for file_specs in specs.values() for s in file_specs)
     done = 0
+    read_counts = {"direct": 0, "torch_load": 0}
     started = time.perf_counter()
 
     with staged_directory(out_dir, "output directory") as tmp:
@@ -282,6 +487,13 @@ def export_dcp_to_hf(
                 nonlocal done
                 name, key = destination[dcp_key]
                 done += writers[name].write(key, tensor, row_offset)
+                if progress is not None:
+                    progress(done, total)
+
+            def sink_range(dcp_key: str, fd: int, offset: int, nbytes: int, row_offset: int) -> None:
+                nonlocal done
+                name, key = destination[dcp_key]
+                done += writers[name].copy_range(key, fd, offset, nbytes, row_offset)
                 if progress is not None:
                     progress(done, total)
 
@@ -300,7 +512,9 @@ def export_dcp_to_hf(
                 try:
                     dcp.load(
                         state,
-                        storage_reader=FileSystemReader(str(checkpoint_dir)),
+                        storage_reader=_make_direct_reader(
+                            checkpoint_dir, metadata, sink_range, read_counts, direct
+                        ),
                         planner=_make_streaming_planner(sink),
                     )
                 except CheckpointException as exc:
@@ -335,4 +549,5 @@ def export_dcp_to_hf(
         bytes=total,
         seconds=time.perf_counter() - started,
         copied=copied,
+        reads=read_counts,
     )

@@ -13,6 +13,7 @@ header text), so its files are byte-identical to the ones ``save_file`` writes.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -213,6 +214,38 @@ class SafetensorsStreamWriter:
             self._pending.discard(name)
         return end
 
+    def copy_range(self, name: str, src_fd: int, src_offset: int, nbytes: int, row_offset: int = 0) -> int:
+        """Store ``nbytes`` raw bytes of the open file ``src_fd`` from ``src_offset`` as ``name``,
+        or as its rows from ``row_offset``: the bytes of whole rows, in the declared dtype,
+        little-endian. The kernel copies them file to file (``copy_file_range``); where it
+        cannot, they go through a 1 MiB buffer. Returns the byte count written.
+        """
+        spec = self._specs.get(name)
+        if spec is None or name not in self._pending:
+            raise ValueError(f"{self.path.name}: unexpected or repeated tensor {name!r}")
+        rows = spec.shape[0] if spec.shape else 1
+        row_bytes = spec.nbytes // rows if rows else 0
+        fits = (
+            (row_offset == 0 and nbytes == spec.nbytes)
+            if not spec.shape or not row_bytes
+            else nbytes % row_bytes == 0
+            and row_offset >= 0
+            and row_offset * row_bytes + nbytes <= spec.nbytes
+        )
+        if not fits:
+            raise ValueError(
+                f"{self.path.name}: {name!r} gets {nbytes} bytes at row {row_offset}, "
+                f"the header says {spec.dtype} {spec.shape}"
+            )
+        start = self._data_start + self._offsets[name] + row_offset * row_bytes
+        _copy_file_range(src_fd, src_offset, self._fd, start, nbytes)
+        self._remaining[name] -= nbytes
+        if self._remaining[name] < 0:
+            raise ValueError(f"{self.path.name}: {name!r} got more bytes than its shape holds")
+        if self._remaining[name] == 0:
+            self._pending.discard(name)
+        return nbytes
+
     def close(self, fsync: bool = False) -> None:
         """Close (after an fsync if asked); raises if a declared tensor was never written."""
         try:
@@ -237,3 +270,37 @@ class SafetensorsStreamWriter:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+# copy_file_range fails with these where the kernel or the file systems cannot copy in-kernel
+# (older kernels, files on different file systems, some network and FUSE file systems).
+_NO_COPY_FILE_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOTSUP}
+_copy_file_range_works = hasattr(os, "copy_file_range")
+
+
+def _copy_file_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbytes: int) -> None:
+    """Copy ``nbytes`` from ``src_fd`` at ``src_offset`` to ``dst_fd`` at ``dst_offset`` (file offsets
+    of neither descriptor move); raises ``ValueError`` if the source ends early."""
+    global _copy_file_range_works
+    done = 0
+    while done < nbytes and _copy_file_range_works:
+        try:
+            n = os.copy_file_range(
+                src_fd, dst_fd, nbytes - done, offset_src=src_offset + done, offset_dst=dst_offset + done
+            )
+        except OSError as exc:
+            if exc.errno not in _NO_COPY_FILE_RANGE or done:
+                raise
+            _copy_file_range_works = False
+            break
+        if n == 0:
+            raise ValueError(f"source ends {nbytes - done} bytes short of the range to copy")
+        done += n
+    while done < nbytes:
+        chunk = os.pread(src_fd, min(_WRITE_CHUNK, nbytes - done), src_offset + done)
+        if not chunk:
+            raise ValueError(f"source ends {nbytes - done} bytes short of the range to copy")
+        view, pos = memoryview(chunk), 0
+        while pos < len(view):
+            pos += os.pwrite(dst_fd, view[pos:], dst_offset + done + pos)
+        done += len(chunk)

@@ -134,3 +134,83 @@ def test_without_source_weights_the_export_is_split_by_size(tiny_hf, tmp_path):
     loaded = load_file(tmp_path / "out" / "model.safetensors")
     assert loaded.keys() == tiny_hf.state.keys()
     assert all(torch.equal(loaded[k], v) for k, v in tiny_hf.state.items())
+
+
+def _file_bytes(directory):
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "megatron"])
+def test_direct_copy_writes_the_same_bytes_as_dcps_reader(tiny_hf, tmp_path, layout):
+    convert_hf_to_dcp(tiny_hf.hf_dir, tmp_path / "dcp", layout)
+    direct = export_dcp_to_hf(tmp_path / "dcp", tiny_hf.hf_dir, tmp_path / "direct")
+    loaded = export_dcp_to_hf(tmp_path / "dcp", tiny_hf.hf_dir, tmp_path / "loaded", direct=False)
+    n = direct.tensors
+    assert direct.reads == {"direct": n, "torch_load": 0}  # every item of a conversion goes direct
+    assert loaded.reads == {"direct": 0, "torch_load": n}
+    assert _file_bytes(tmp_path / "direct") == _file_bytes(tmp_path / "loaded")
+
+
+def test_direct_copy_without_copy_file_range(tiny_hf, tmp_path, monkeypatch):
+    from magistral_cli.checkpoint import safetensors_io
+
+    convert_hf_to_dcp(tiny_hf.hf_dir, tmp_path / "dcp", "fsdp2")
+    monkeypatch.setattr(safetensors_io, "_copy_file_range_works", False)  # the pread/pwrite loop
+    result = export_dcp_to_hf(tmp_path / "dcp", tiny_hf.hf_dir, tmp_path / "out")
+    assert result.reads["direct"] == result.tensors
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        assert (tmp_path / "out" / name).read_bytes() == (tiny_hf.hf_dir / name).read_bytes()
+
+
+def test_items_the_direct_copy_cannot_place_go_through_torch_load(tiny_hf, tmp_path):
+    """A non-contiguous tensor (DCP saves its strides) and one of another dtype than the model's
+    (the checkpoint metadata's dtype is what counts) are read by DCP's reader, in order with the rest."""
+    state = dict(tiny_hf.state)
+    strided = "model.multi_modal_projector.linear_1.weight"
+    state[strided] = state[strided].t().contiguous().t()  # same values, column-major
+    assert not state[strided].is_contiguous()
+    dcp.save(state, checkpoint_id=tmp_path / "dcp")
+    result = export_dcp_to_hf(tmp_path / "dcp", tiny_hf.hf_dir, tmp_path / "out")
+    assert result.reads == {"direct": result.tensors - 1, "torch_load": 1}
+    exported = _tensors(tmp_path / "out")
+    for key, value in tiny_hf.state.items():
+        assert torch.equal(exported[transformers_to_official_key(key)][1], value), key
+    reference = export_dcp_to_hf(tmp_path / "dcp", tiny_hf.hf_dir, tmp_path / "loaded", direct=False)
+    assert reference.reads["direct"] == 0
+    assert _file_bytes(tmp_path / "out") == _file_bytes(tmp_path / "loaded")
+
+
+def test_locate_rows_finds_the_bytes_of_a_row_block(tmp_path):
+    import io
+    import os
+
+    from magistral_cli.checkpoint.dcp_to_hf import locate_rows
+
+    base = torch.arange(8 * 6, dtype=torch.int16).view(8, 6).to(torch.bfloat16)
+    view = base[2:]  # a view: torch.save stores the whole storage and a storage offset
+    items = []
+    path = tmp_path / "items.bin"
+    with path.open("wb") as f:
+        f.write(b"x" * 100)  # items start anywhere in a .distcp file
+        for t in (base, view):
+            buf = io.BytesIO()
+            torch.save(t, buf)
+            items.append((f.tell(), len(buf.getvalue()), t))
+            f.write(buf.getvalue())
+    data = path.read_bytes()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for start, length, t in items:
+            offset, nbytes = locate_rows(fd, start, length, torch.bfloat16, (3, 0), (2, 6))
+            expected = t[3:5].contiguous().view(torch.uint8).numpy().tobytes()
+            assert data[offset : offset + nbytes] == expected
+            whole = locate_rows(fd, start, length, torch.bfloat16, (0, 0), tuple(t.shape))
+            assert data[whole[0] : whole[0] + whole[1]] == t.contiguous().view(torch.uint8).numpy().tobytes()
+            # Not placeable: a split of the columns, another dtype, rows past the end.
+            assert locate_rows(fd, start, length, torch.bfloat16, (0, 3), (2, 3)) is None
+            assert locate_rows(fd, start, length, torch.float16, (0, 0), tuple(t.shape)) is None
+            assert locate_rows(fd, start, length, torch.bfloat16, (t.shape[0] - 1, 0), (2, 6)) is None
+        # Bytes that are not a torch.save archive.
+        assert locate_rows(fd, 0, 100, torch.bfloat16, (0, 0), (2, 6)) is None
+    finally:
+        os.close(fd)

@@ -68,6 +68,12 @@ def test_fsdp2_sharded_checkpoint_exports_whole_tensors(tiny_hf, tmp_path):
 
     result = export_dcp_to_hf(ckpt, tiny_hf.hf_dir, tmp_path / "out")
     assert result.dcp_layout == "engine"
+    # Row blocks are copied file to file; the two column halves go through torch.load.
+    assert result.reads == {"direct": 2 * len(tiny_hf.state) - 2, "torch_load": 2}
+    reference = export_dcp_to_hf(ckpt, tiny_hf.hf_dir, tmp_path / "loaded", direct=False)
+    assert reference.reads == {"direct": 0, "torch_load": 2 * len(tiny_hf.state)}
+    for path in (tmp_path / "out").iterdir():
+        assert path.read_bytes() == (tmp_path / "loaded" / path.name).read_bytes(), path.name
     exported = {}
     for path in (tmp_path / "out").glob("*.safetensors"):
         exported.update(load_file(path))
