@@ -46,4 +46,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from magistral_cli.engine.process import finish_rank_process
+
+    finish_rank_process(main())

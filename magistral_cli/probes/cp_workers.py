@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from magistral_cli.engine.process import finish_rank_process
+
 from .common import FAIL, ProbeResult, device_missing_reason, skip
 
 #: A rank that waits on a collective longer than this fails instead of hanging the probe.
@@ -162,6 +164,7 @@ def _rank_main(
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results), encoding="utf-8")
     finally:
         dist.destroy_process_group()
+    finish_rank_process(0)
 
 
 def _run_job(job: dict) -> dict:

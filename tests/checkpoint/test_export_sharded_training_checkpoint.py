@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from magistral_cli.checkpoint.dcp_to_hf import export_dcp_to_hf
 from magistral_cli.checkpoint.keys import transformers_to_official_key
+from magistral_cli.engine.process import finish_rank_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -43,6 +44,7 @@ def _save_sharded(rank: int, world: int, port: int, config, state: dict, path: s
         dcp.save({"model": sd, "step": 7}, checkpoint_id=path)
     finally:
         dist.destroy_process_group()
+    finish_rank_process(0)
 
 
 def _free_port() -> int:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from magistral_cli.engine.parallelize import ParallelDims
+from magistral_cli.engine.process import finish_rank_process
 from magistral_cli.engine.trainer import Trainer
 from magistral_cli.errors import UserError
 from magistral_cli.ops.context_parallel import check_cp_model, check_cp_recipe, cp_communication_count
@@ -78,6 +79,7 @@ def _worker(rank: int, init_file: str, model_dir: str, out_dir: str) -> None:
         (out / f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
+    finish_rank_process(0)
 
 
 def _refused_batches(model_dir: Path, run_dir: Path) -> list[str]:
@@ -112,6 +114,7 @@ def _dp_worker(rank: int, init_file: str, model_dir: str, out_dir: str) -> None:
         (Path(out_dir) / f"dp_rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+    finish_rank_process(0)
 
 
 @pytest.mark.slow

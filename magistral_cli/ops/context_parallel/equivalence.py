@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from magistral_cli.engine.process import finish_rank_process
 from magistral_cli.ops.context_parallel.attention import cp_attention
 from magistral_cli.ops.context_parallel.groups import (
     ContextParallelGroups,
@@ -412,6 +413,7 @@ def _spawn_main(rank: int, world_size: int, init_file: str, jobs: list[dict], ou
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results), encoding="utf-8")
     finally:
         dist.destroy_process_group()
+    finish_rank_process(0)
 
 
 def spawn_cp_jobs(world_size: int, jobs: list[dict]) -> list[list[dict]]:
