@@ -13,29 +13,11 @@ from magistral_cli.errors import CheckFailed, UserError
 from magistral_cli.testing.local_hub import (
     SYNTHETIC_OFFICIAL,
     SYNTHETIC_THIRD_PARTY,
-    LocalHub,
-    add_synthetic_model,
 )
 
 REPO, REV = SYNTHETIC_OFFICIAL
 SHARD1 = "model-00001-of-00002.safetensors"
 SHARD2 = "model-00002-of-00002.safetensors"
-
-
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    with LocalHub(tmp_path / "hub") as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
-        yield server
-
-
-@pytest.fixture
-def lock(tmp_path, hub):
-    path = tmp_path / "lock.json"
-    path.write_text(json.dumps(add_synthetic_model(hub)))
-    return path
 
 
 def served(hub, repo, rev, name) -> bytes:

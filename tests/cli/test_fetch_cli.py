@@ -7,32 +7,15 @@ import json
 import subprocess
 import sys
 
-import pytest
 from typer.testing import CliRunner
 
 from magistral_cli.assets.fetch import QUARANTINE_DIR
 from magistral_cli.assets.manifest import MANIFEST_NAME
 from magistral_cli.cli.main import app
-from magistral_cli.testing.local_hub import SYNTHETIC_OFFICIAL, LocalHub, add_synthetic_model
+from magistral_cli.testing.local_hub import SYNTHETIC_OFFICIAL
 
 runner = CliRunner()
 TOKEN = "hf_SyntheticSecretToken0123456789"
-
-
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    with LocalHub(tmp_path / "hub") as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
-        yield server
-
-
-@pytest.fixture
-def lock(tmp_path, hub):
-    path = tmp_path / "lock.json"
-    path.write_text(json.dumps(add_synthetic_model(hub)))
-    return path
 
 
 def fetch(*args):

@@ -21,8 +21,9 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 5
 
 
-def _train(recipe: Path, run_dir: Path, *, env: dict | None = None) -> subprocess.CompletedProcess:
-    command = [
+def _train_command(recipe: Path, run_dir: Path) -> list[str]:
+    """`magistral train RECIPE --nproc-per-node 2` into ``run_dir``, from this source tree."""
+    return [
         sys.executable,
         "-c",
         "from magistral_cli.cli.main import main; main()",
@@ -32,6 +33,10 @@ def _train(recipe: Path, run_dir: Path, *, env: dict | None = None) -> subproces
         "2",
         f"training.output_dir={run_dir}",
     ]
+
+
+def _train(recipe: Path, run_dir: Path, *, env: dict | None = None) -> subprocess.CompletedProcess:
+    command = _train_command(recipe, run_dir)
     full_env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
     full_env.update(PYTHONPATH=str(REPO), **(env or {}))
     return subprocess.run(command, env=full_env, capture_output=True, text=True, timeout=600, cwd=REPO)
@@ -112,18 +117,14 @@ def test_sigterm_to_the_command_stops_every_rank(tmp_path):
     del data["training"]["output_dir"]
     recipe.write_text(yaml.safe_dump(data))
     run_dir = tmp_path / "run"
-    command = [
-        sys.executable,
-        "-c",
-        "from magistral_cli.cli.main import main; main()",
-        "train",
-        str(recipe),
-        "--nproc-per-node",
-        "2",
-        f"training.output_dir={run_dir}",
-    ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _train_command(recipe, run_dir),
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
