@@ -215,7 +215,9 @@ class BasicParameters(Section):
 
 class DatasetParam(Section):
     dataset_type: str = Field(
-        "huggingface", description="Dataset loader kind; 'huggingface' is the LLaVA/ShareGPT JSON reader."
+        "huggingface",
+        description="Dataset loader kind: 'huggingface' (the LLaVA/ShareGPT JSON reader) or 'synthetic' "
+        "(random batches in the loader's format, to check a machine without a dataset).",
     )
     attr: DatasetAttr = Field(
         default_factory=DatasetAttr, description="Column and role names of the dataset."

@@ -23,7 +23,6 @@ import torch
 log = logging.getLogger(__name__)
 
 NPU_ATTENTION = "npu_fusion_attention"
-_FLASH_NAMES = ("flash_attention_2", "flash_attention_3", NPU_ATTENTION)
 
 
 def validate_right_padding(attention_mask: torch.Tensor | None) -> None:
@@ -79,11 +78,6 @@ def resolve_attention(requested: str, device_type: str) -> str:
         return "sdpa"
     log.info("model.attn_implementation=%s is not available on %s; using sdpa", requested, device_type)
     return "sdpa"
-
-
-def uses_flash_layout(implementation: str) -> bool:
-    """Whether ``implementation`` ignores the padding mask (and so needs right padding)."""
-    return implementation in _FLASH_NAMES
 
 
 _npu_mask_cache: dict[torch.device, torch.Tensor] = {}
