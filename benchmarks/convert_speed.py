@@ -108,13 +108,14 @@ def write_synthetic_checkpoint(directory: Path, size_bytes: int, shard_bytes: in
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
     from magistral_cli.checkpoint.keys import transformers_to_official_key
+    from magistral_cli.model_config import apply_tying_rule
 
     config_dict, layers = _config(size_bytes)
     config_dict["dtype"] = "bfloat16"
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(config_dict, indent=2))
     with torch.device("meta"):
-        model = Mistral3ForConditionalGeneration(Mistral3Config.from_dict(config_dict))
+        model = Mistral3ForConditionalGeneration(apply_tying_rule(Mistral3Config.from_dict(config_dict)))
     shapes = [(transformers_to_official_key(k), tuple(v.shape)) for k, v in model.state_dict().items()]
     groups: list[list[tuple[str, tuple]]] = [[]]
     size = 0

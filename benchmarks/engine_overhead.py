@@ -65,8 +65,11 @@ class BareLoop:
         from transformers import Mistral3ForConditionalGeneration
 
         from magistral_cli.engine.synthetic import SyntheticBatches
+        from magistral_cli.model_config import read_model_config
 
-        model = Mistral3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
+        model = Mistral3ForConditionalGeneration.from_pretrained(
+            str(model_dir), config=read_model_config(model_dir), dtype=torch.float32
+        )
         model.train()
         model.model.vision_tower.requires_grad_(False)
         model.model.multi_modal_projector.requires_grad_(False)

@@ -292,12 +292,20 @@ def _check_export(model_dir: Path, export: Path) -> str:
     from transformers import Mistral3ForConditionalGeneration
     from transformers.utils import logging as hf_logging
 
+    from magistral_cli.model_config import EMBED_KEY, HEAD_KEY, read_model_config, text_ties
+
     hf_logging.disable_progress_bar()
-    before = Mistral3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
-    after = Mistral3ForConditionalGeneration.from_pretrained(str(export), dtype=torch.float32)
+    # The tying rule, not transformers' top-level default, decides whether the head is its own tensor.
+    before = Mistral3ForConditionalGeneration.from_pretrained(
+        str(model_dir), config=read_model_config(model_dir), dtype=torch.float32
+    )
+    config = read_model_config(export)
+    after = Mistral3ForConditionalGeneration.from_pretrained(str(export), config=config, dtype=torch.float32)
     sd_before, sd_after = before.state_dict(), after.state_dict()
     if sd_before.keys() != sd_after.keys():
         raise CheckFailed(f"the export {export} has other keys than {model_dir}")
+    if not text_ties(config) and torch.equal(sd_after[HEAD_KEY], sd_after[EMBED_KEY]):
+        raise CheckFailed(f"the export's {HEAD_KEY} equals its embedding: the trained head was lost")
     frozen = [k for k in sd_before if k.startswith(("model.vision_tower.", "model.multi_modal_projector."))]
     trained = [k for k in sd_before if k not in frozen]
     moved_frozen = [k for k in frozen if not torch.equal(sd_before[k], sd_after[k])]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from magistral_cli.errors import CheckFailed, UserError
 
-from .hf import CONFIG, require_model_dir
+from .hf import require_model_dir
 from .keys import DCP_MODEL_PREFIX, MEGATRON_RELEASE_DIR
 
 DCP_METADATA = ".metadata"
@@ -35,18 +35,13 @@ class ModelKeys:
 def model_keys(model_dir: str | Path) -> ModelKeys:
     """Keys and shapes of ``Mistral3ForConditionalGeneration`` for ``model_dir/config.json``."""
     import torch
-    from transformers import AutoConfig, Mistral3ForConditionalGeneration
+    from transformers import Mistral3ForConditionalGeneration
+
+    from magistral_cli.model_config import read_model_config
 
     model_dir = require_model_dir(model_dir)
-    try:
-        config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError, KeyError) as exc:
-        raise UserError(f"{model_dir / CONFIG} cannot be read by transformers: {exc}") from None
-    if config.model_type != "mistral3":
-        raise UserError(
-            f"{model_dir / CONFIG} describes a {config.model_type!r} model; "
-            "magistral converts Mistral3 (Magistral-Small-2509) checkpoints only"
-        )
+    # The tying rule decides whether lm_head.weight is its own tensor (Magistral: it is).
+    config = read_model_config(model_dir, what="model directory")
     with torch.device("meta"):
         model = Mistral3ForConditionalGeneration(config)
     shapes: dict[str, tuple[int, ...]] = {}

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, Mistral3ForConditionalGeneration
+from transformers import Mistral3ForConditionalGeneration
 
 from magistral_cli.errors import UserError
+from magistral_cli.model_config import apply_tying_rule, read_model_config
 from magistral_cli.ops.chunked_loss import cross_entropy_sum
 
 
@@ -99,18 +100,10 @@ class Mistral3ForTraining(Mistral3ForConditionalGeneration):
 
 
 def load_model_config(model_dir: str | Path, trust_remote_code: bool = False):
-    """The ``Mistral3Config`` in ``model_dir/config.json`` (KV cache off: training only)."""
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise UserError(
-            f"model.model_name_or_path {model_dir} has no config.json; point it at the model directory "
-            "(magistral fetch writes one)"
-        )
-    config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    if config.model_type != "mistral3":
-        raise UserError(
-            f"{path}/config.json describes a {config.model_type!r} model; this engine trains mistral3"
-        )
+    """The ``Mistral3Config`` in ``model_dir/config.json`` (tying rule applied, KV cache off)."""
+    config = read_model_config(
+        model_dir, trust_remote_code=trust_remote_code, what="model.model_name_or_path"
+    )
     config.use_cache = False
     config.text_config.use_cache = False
     return config
@@ -118,6 +111,7 @@ def load_model_config(model_dir: str | Path, trust_remote_code: bool = False):
 
 def build_model(config, *, meta: bool, attn_implementation: str) -> Mistral3ForTraining:
     """The fp32 model, on the meta device when ``meta`` (parameters get storage in ``materialize``)."""
+    apply_tying_rule(config)
     device = torch.device("meta") if meta else contextlib.nullcontext()
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)  # master weights are fp32; FSDP casts for compute

@@ -167,6 +167,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: FSDPPlan) -> list[tuple
     """
     policy = mixed_precision(plan)
     units = select_modules(model, plan.apply_modules, what="parallel.fsdp_plan.apply_modules pattern")
+    units = tied_units(model, units)
     kwargs = {"mesh": mesh, "mp_policy": policy}
     for _, module in units:
         fully_shard(module, reshard_after_forward=plan.reshard_after_forward, **kwargs)
@@ -176,6 +177,38 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: FSDPPlan) -> list[tuple
     # first, so freeing them would only buy an immediate second all-gather.
     fully_shard(model, reshard_after_forward=None if plan.reshard_after_forward else False, **kwargs)
     return units
+
+
+TIED_UNIT = "model.language_model.embed_tokens+lm_head"
+
+
+def tied_units(model: nn.Module, units: list[tuple[str, nn.Module]]) -> list[tuple[str, object]]:
+    """The FSDP units with a tied embedding and head in one unit (unchanged when they are not tied).
+
+    A tied model's head and embedding are one parameter, and FSDP2 refuses a parameter that two
+    units manage ("shared with a parameter already managed by another FSDP group"). So the two
+    modules are sharded together, ``fully_shard([embed_tokens, lm_head])``, in place of the
+    first unit that holds either; the plan's own units for either one are dropped, and an outer
+    unit (``model.language_model``) then leaves the shared parameter to the group.
+    """
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    if embed is None or head is None or embed.weight is not head.weight:
+        return units
+    out: list[tuple[str, object]] = []
+    placed = False
+    for name, module in units:
+        holds = any(m is embed or m is head for m in module.modules())
+        if holds and not placed:
+            out.append((TIED_UNIT, [embed, head]))
+            placed = True
+        if module is embed or module is head:
+            continue
+        out.append((name, module))
+    if not placed:
+        out.append((TIED_UNIT, [embed, head]))
+    log.info("tied embedding and head: sharded as one FSDP unit (%s)", TIED_UNIT)
+    return out
 
 
 def apply_prefetch(model: nn.Module, plan: FSDPPlan) -> int:
@@ -203,3 +236,31 @@ def apply_prefetch(model: nn.Module, plan: FSDPPlan) -> int:
                     layer.set_modules_to_backward_prefetch(backward)
             count += 1
     return count
+
+
+def held_gradient_bytes(model: nn.Module) -> dict[str, int]:
+    """The gradient bytes this rank holds now, read from FSDP2's parameters.
+
+    ``sharded``: the local gradient shards (what the optimizer steps on). ``unsharded``: full
+    gradients FSDP2 keeps between backwards when the reduce-scatter is deferred
+    (``set_requires_gradient_sync(False)``): the unsharded parameters' ``.grad`` and the
+    accumulated unsharded gradients.
+    """
+    sharded = unsharded = 0
+    groups = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None and all(group is not g for g in groups):
+                groups.append(group)
+    for group in groups:
+        for fsdp_param in group.fsdp_params:
+            grad = fsdp_param.sharded_param.grad
+            if grad is not None:
+                local = grad.to_local() if hasattr(grad, "to_local") else grad
+                sharded += local.numel() * local.element_size()
+            full = getattr(fsdp_param, "_unsharded_param", None)
+            for held in (full.grad if full is not None else None, fsdp_param.unsharded_accumulated_grad):
+                if held is not None:
+                    unsharded += held.numel() * held.element_size()
+    return {"sharded": sharded, "unsharded": unsharded}

@@ -372,9 +372,13 @@ class Trainer:
 
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         last = len(micro_batches) - 1
+        defer = self.recipe.parallel.fsdp_plan.defer_grad_sync
         for i, mb in enumerate(micro_batches):
-            # Gradient accumulation without communication: reduce-scatter on the last micro-batch only.
-            self.model.set_requires_gradient_sync(i == last)
+            # By default every micro-batch's backward reduce-scatters into the gradient shards, so a
+            # rank never holds more than its shard (plus one unit's unsharded gradient in flight).
+            # defer_grad_sync skips the reduce-scatter until the last micro-batch: less communication,
+            # but FSDP2 then keeps every trainable parameter's gradient unsharded on every rank.
+            self.model.set_requires_gradient_sync(i == last or not defer)
             if self.cp_groups is None:
                 loss = self.model(**_to_device(mb, self.device))
             else:
@@ -389,7 +393,11 @@ class Trainer:
                 scale = self.dims.dp / counts[0].clamp(min=1).to(torch.float32)
             (loss * scale).backward()
             loss_sum += loss.detach()
+            self.after_micro_batch(i, last=i == last)
         return {"loss_sum": loss_sum, "counts": counts}
+
+    def after_micro_batch(self, index: int, *, last: bool) -> None:
+        """Called after each micro-batch's backward (a no-op; subclasses measure memory here)."""
 
     def optimizer_step(self, loss_sum: torch.Tensor | None = None) -> dict[str, Any]:
         """Gradient norm (always) and clipping, AdamW at this step's learning rate, zero grads.

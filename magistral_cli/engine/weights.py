@@ -77,6 +77,20 @@ def _check_keys(
         raise UserError(f"cannot load {report.source}: " + "; ".join(problems))
 
 
+def load_targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict without tied aliases (a tied head is the embedding: loaded once).
+
+    A tied model's source (as tied models ship) has no ``lm_head.weight``; an untied one's must.
+    """
+    seen: set[int] = set()
+    aliases = set()
+    for key, value in model.state_dict(keep_vars=True).items():
+        if id(value) in seen:
+            aliases.add(key)
+        seen.add(id(value))
+    return {k: v for k, v in model.state_dict().items() if k not in aliases}
+
+
 def _local_slices(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     """(local storage, slices of the global tensor it holds) for a DTensor or a plain tensor."""
     from torch.distributed.tensor import DTensor
@@ -116,7 +130,7 @@ def load_hf(model: nn.Module, path: Path, strict: bool) -> LoadReport:
             by_key[to_transformers_key(key)] = (key, fname)
         except KeyError:
             unmappable.add(key)
-    targets = model.state_dict()
+    targets = load_targets(model)
     _check_keys(report, list(targets), set(by_key) | unmappable, strict, problems)
 
     by_file: dict[str, list[str]] = {}
@@ -166,7 +180,7 @@ def load_dcp(model: nn.Module, path: Path, strict: bool) -> LoadReport:
     if prefix:
         # Training checkpoints also hold optimizer/rng/... entries: only the model's count as keys.
         source_keys = {k for k in source_keys if k.startswith(("model.", "lm_head."))}
-    targets = model.state_dict()
+    targets = load_targets(model)
     problems = []
     for key, tensor in targets.items():
         meta = metadata.get(prefix + key)

@@ -19,6 +19,8 @@ def probe_mistral3_config():
     """A transformers ``Mistral3Config`` with hidden 128, 2 decoder and 2 vision layers, vocab 256."""
     from transformers import Mistral3Config
 
+    from magistral_cli.model_config import apply_tying_rule
+
     config = Mistral3Config(
         vision_config={
             "hidden_size": 128,
@@ -42,4 +44,5 @@ def probe_mistral3_config():
         vision_feature_layer=-1,
     )
     config.use_cache = False
-    return config
+    # No tie key anywhere, as in Magistral's config.json: the tying rule makes it untied.
+    return apply_tying_rule(config)

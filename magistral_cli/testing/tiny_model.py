@@ -5,6 +5,13 @@ The shapes are small, the structure is Magistral-Small-2509's: patch size 14, sp
 131072-entry Tekken vocabulary so the real tokenizer's ids fit. ``save_official_checkpoint``
 writes it the way the official repository ships weights: ``config.json``, safetensors shards
 in the *official* key layout and ``model.safetensors.index.json``.
+
+The config is built the way the real file is: by default no ``tie_word_embeddings`` key
+anywhere (transformers then defaults the top-level flag to true, and the tying rule of
+``magistral_cli.model_config`` makes the model untied, as Magistral is). ``tie=True`` gives a
+model whose ``text_config`` ties (as Ministral-3 3B does); ``config_form="transformers"`` writes
+config.json as transformers' ``save_pretrained`` does (top-level ``true``, ``text_config``
+``false``).
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from magistral_cli.model_config import HEAD_KEY, apply_tying_rule, text_ties
 
 #: Magistral's special ids in the Tekken vocabulary.
 IMAGE_TOKEN_ID = 10
@@ -26,8 +35,13 @@ def tiny_mistral3_config(
     vision_layers: int = 2,
     num_attention_heads: int = 4,
     num_key_value_heads: int = 2,
+    tie: bool | None = None,
 ):
-    """A transformers ``Mistral3Config`` with Magistral's structure and tiny sizes."""
+    """A transformers ``Mistral3Config`` with Magistral's structure and tiny sizes.
+
+    ``tie``: None leaves ``tie_word_embeddings`` out, as Magistral's config.json does; True or
+    False sets it in ``text_config`` (the flag that counts). The tying rule is applied.
+    """
     from transformers import Mistral3Config
 
     head_dim = hidden_size // num_attention_heads
@@ -43,7 +57,6 @@ def tiny_mistral3_config(
         "max_position_embeddings": 8192,
         "rms_norm_eps": 1e-5,
         "rope_theta": 1000000000.0,
-        "tie_word_embeddings": False,
         "sliding_window": None,
     }
     vision = {
@@ -58,7 +71,9 @@ def tiny_mistral3_config(
         "num_channels": 3,
         "rope_theta": 10000.0,
     }
-    return Mistral3Config(
+    if tie is not None:
+        text["tie_word_embeddings"] = tie
+    config = Mistral3Config(
         text_config=text,
         vision_config=vision,
         image_token_index=IMAGE_TOKEN_ID,
@@ -66,8 +81,8 @@ def tiny_mistral3_config(
         projector_hidden_act="gelu",
         vision_feature_layer=-1,
         multimodal_projector_bias=False,
-        tie_word_embeddings=False,
     )
+    return apply_tying_rule(config)
 
 
 def build_tiny_model(config=None, seed: int = 0, dtype: Any = None):
@@ -75,7 +90,7 @@ def build_tiny_model(config=None, seed: int = 0, dtype: Any = None):
     import torch
     from transformers import Mistral3ForConditionalGeneration
 
-    config = config or tiny_mistral3_config()
+    config = apply_tying_rule(config or tiny_mistral3_config())
     torch.manual_seed(seed)
     model = Mistral3ForConditionalGeneration(config)
     if dtype is not None:
@@ -83,13 +98,35 @@ def build_tiny_model(config=None, seed: int = 0, dtype: Any = None):
     return model.eval()
 
 
+def official_config_dict(config, form: str = "official") -> dict[str, Any]:
+    """``config`` as the dict a config.json holds.
+
+    ``official``: the key structure of Magistral's published file, no ``tie_word_embeddings``
+    anywhere unless ``text_config`` ties (then only there). ``transformers``: what transformers'
+    ``save_pretrained`` writes for a config read from that file (top-level ``true``, text ``false``).
+    """
+    data = config.to_dict()
+    tied = text_ties(config)
+    data.pop("tie_word_embeddings", None)
+    data["text_config"].pop("tie_word_embeddings", None)
+    if form == "transformers":
+        data["tie_word_embeddings"] = True
+        data["text_config"]["tie_word_embeddings"] = tied
+    elif form != "official":
+        raise ValueError(f"unknown config form {form!r}: official or transformers")
+    elif tied:
+        data["text_config"]["tie_word_embeddings"] = True
+    return data
+
+
 def save_official_checkpoint(
-    model, out_dir: str | Path, num_shards: int = 2, dtype: Any = "bfloat16"
+    model, out_dir: str | Path, num_shards: int = 2, dtype: Any = "bfloat16", config_form: str = "official"
 ) -> Path:
     """Write ``model`` as the official repository does: config.json, shards, index (official keys).
 
     Tensors are split over ``num_shards`` files in state-dict order, like the official
-    ``model-0000N-of-0000M.safetensors`` files.
+    ``model-0000N-of-0000M.safetensors`` files. A tied model's head is left out (one tensor for
+    both, as tied models ship).
     """
     import torch
     from safetensors.torch import save_file
@@ -99,9 +136,11 @@ def save_official_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    tied = text_ties(model.config)
     state = {
         transformers_to_official_key(k): v.detach().to(torch_dtype).contiguous().clone()
         for k, v in model.state_dict().items()
+        if not (tied and k == HEAD_KEY)
     }
     keys = list(state)
     per_shard = -(-len(keys) // num_shards)
@@ -116,7 +155,8 @@ def save_official_checkpoint(
             total += state[k].numel() * state[k].element_size()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-    config = model.config.to_dict()
-    config["torch_dtype"] = str(torch_dtype).removeprefix("torch.")
+    config = official_config_dict(model.config, config_form)
+    config.pop("torch_dtype", None)
+    config["dtype"] = str(torch_dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return out

@@ -1,0 +1,94 @@
+"""Reading a Mistral3 ``config.json``, and the one rule for tied embeddings.
+
+The published Magistral-Small-2509 ``config.json`` sets ``tie_word_embeddings`` nowhere: not at
+the top level, not in ``text_config``. transformers 5's ``Mistral3Config`` defaults the
+*top-level* flag to ``True``, and a model built from that config (for example on the meta
+device, before loading) ties ``lm_head.weight`` to the token embedding: 23.34 billion unique
+parameters instead of 24.01, and a trained head that is silently the embedding. transformers'
+own ``save_pretrained`` writes the top-level flag as ``true`` next to ``text_config: false``.
+
+The rule (:func:`apply_tying_rule`): the nested ``text_config`` decides, because the language
+model owns both the embedding and the head. Its default (``MistralConfig``) is untied, so the
+real config builds untied; a model whose ``text_config`` ties (Ministral-3 3B, say) trains and
+exports tied. Every place that builds a model from a config goes through this module: the
+engine, ``convert validate`` / export, the probes, the quickstart and the memory plan.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from magistral_cli.errors import UserError
+
+CONFIG_FILE = "config.json"
+#: The key of the output head and of the embedding it may be tied to (transformers layout).
+HEAD_KEY = "lm_head.weight"
+EMBED_KEY = "model.language_model.embed_tokens.weight"
+
+
+def text_ties(config) -> bool:
+    """Whether the language model ties its head to its embedding (``text_config`` decides)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(text, "tie_word_embeddings", False))
+
+
+def apply_tying_rule(config):
+    """Make the top-level ``tie_word_embeddings`` agree with ``text_config`` (returns ``config``).
+
+    transformers ties by the top-level flag; after this the nested one is what counts.
+    """
+    tied = text_ties(config)
+    config.tie_word_embeddings = tied
+    if hasattr(config, "text_config"):
+        config.text_config.tie_word_embeddings = tied
+    return config
+
+
+def read_model_config(model_dir: str | Path, *, trust_remote_code: bool = False, what: str = "model"):
+    """The ``Mistral3Config`` of ``model_dir/config.json`` with the tying rule applied.
+
+    One clear ``UserError`` for a missing, unreadable or non-Mistral3 config (``what`` names the
+    setting or argument that pointed here).
+    """
+    from transformers import AutoConfig
+
+    path = Path(model_dir)
+    if not (path / CONFIG_FILE).is_file():
+        raise UserError(
+            f"{what} {path} has no {CONFIG_FILE}; point it at the model directory (magistral fetch writes one)"
+        )
+    try:
+        config = AutoConfig.from_pretrained(
+            str(path), local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{path / CONFIG_FILE} cannot be read by transformers: {exc}") from None
+    if config.model_type != "mistral3":
+        raise UserError(
+            f"{path / CONFIG_FILE} describes a {config.model_type!r} model; "
+            "magistral works with Mistral3 (Magistral-Small-2509) models only"
+        )
+    return apply_tying_rule(config)
+
+
+def parameter_counts(model, frozen_prefixes: list[str] | None = None) -> dict[str, int]:
+    """Unique parameter counts of ``model``: total, trainable and frozen.
+
+    Tied parameters count once. With ``frozen_prefixes`` (module names, as ``apply_freeze``
+    returns them) the split follows those names instead of ``requires_grad``, so a meta model
+    that was never frozen can be counted as the recipe would freeze it.
+    """
+    seen: set[int] = set()
+    total = trainable = 0
+    prefixes = tuple(f"{p}." for p in frozen_prefixes) if frozen_prefixes is not None else None
+    for name, param in model.named_parameters(remove_duplicate=True):
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        n = param.numel()
+        total += n
+        if prefixes is None:
+            trainable += n if param.requires_grad else 0
+        elif not name.startswith(prefixes):
+            trainable += n
+    return {"total": total, "trainable": trainable, "frozen": total - trainable}
