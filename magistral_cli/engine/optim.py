@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -11,12 +12,69 @@ from torch.optim.adamw import adamw as adamw_functional
 
 from magistral_cli.config.schema import Training
 
+log = logging.getLogger("magistral_cli.engine")
 
-def fused_available(device_type: str) -> bool:
-    """Whether torch has a fused AdamW kernel for ``device_type`` (npu registers as privateuse1)."""
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+#: (device type, dtype) -> why the fused AdamW kernel cannot run there, or None when it ran.
+_fused_probe_cache: dict[tuple[str, torch.dtype], str | None] = {}
 
-    return device_type in _get_fused_kernels_supported_devices()
+
+def _probe_fused(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Run one fused AdamW step on a 1-element parameter; the error, or None when it ran and was right.
+
+    torch lists privateuse1 (npu) among the fused devices whatever the backend registered, and
+    some torch_npu builds have no ``_fused_adamw_`` kernel (ms-swift #7327 on 910B3, torchtune
+    #2646), so only running the kernel tells. The host read-back synchronises, so an error
+    raised asynchronously by the device surfaces here too.
+    """
+    try:
+        param = nn.Parameter(torch.ones(1, dtype=dtype, device=device))
+        param.grad = torch.full_like(param, 0.5)
+        torch.optim.AdamW([param], lr=0.1, weight_decay=0.0, foreach=False, fused=True).step()
+        value = float(param.detach().float().cpu()[0])
+    except Exception as exc:  # any failure means "not here": NotImplementedError, RuntimeError, driver errors
+        message = str(exc).strip().splitlines()
+        return f"{type(exc).__name__}: {message[0] if message else ''}"
+    # One step from 1.0 with gradient 0.5: m_hat = 0.5, v_hat = 0.25, update lr * 0.5 / 0.5 = 0.1.
+    if not math.isclose(value, 0.9, rel_tol=1e-2):
+        return f"the fused step gave {value}, not 0.9"
+    return None
+
+
+def fused_unavailable_reason(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str | None:
+    """Why the fused AdamW kernel cannot update ``dtype`` parameters on ``device`` (None: it can).
+
+    A real check, cached per device type and dtype: one fused step on that device. On the CPU
+    torch has a fused kernel too (for fp16, bf16, fp32, fp64), so ``adam_fused: true`` there
+    gets it like on any device whose kernel runs.
+    """
+    device = torch.device(device)
+    key = (device.type, dtype)
+    if key not in _fused_probe_cache:
+        _fused_probe_cache[key] = _probe_fused(device, dtype)
+    return _fused_probe_cache[key]
+
+
+def fused_available(device_type: str, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether a fused AdamW step really runs on ``device_type`` for ``dtype`` (fused_unavailable_reason)."""
+    return fused_unavailable_reason(device_type, dtype) is None
+
+
+def adamw_implementation(
+    training: Training, device: torch.device | str, dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+) -> tuple[str, str]:
+    """("fused" or "foreach", why) for ``training.adam_fused`` on ``device`` with ``dtypes`` parameters."""
+    device = torch.device(device)
+    if not training.adam_fused:
+        return "foreach", "training.adam_fused is false"
+    for dtype in dtypes:
+        reason = fused_unavailable_reason(device, dtype)
+        if reason is not None:
+            return "foreach", (
+                f"training.adam_fused is true but the fused AdamW kernel failed on {device.type} "
+                f"for {str(dtype).removeprefix('torch.')}: {reason}"
+            )
+    names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+    return "fused", f"training.adam_fused is true and a fused AdamW step ran on {device.type} ({names})"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -134,11 +192,24 @@ class AdamWSwap(torch.optim.AdamW):
 
 
 def build_optimizer(model: nn.Module, training: Training, device_type: str) -> torch.optim.Optimizer:
-    """AdamW or AdamWSwap over the trainable parameters, with the recipe's hyper-parameters."""
+    """AdamW or AdamWSwap over the trainable parameters, with the recipe's hyper-parameters.
+
+    The fused kernel is used only when ``training.adam_fused`` asks for it and one fused step
+    really ran where the parameters are (``device_type`` once the model is materialized), for
+    their dtypes; otherwise foreach. The choice is logged and kept on the optimizer as
+    ``adamw_choice`` (a JSON-ready dict) for ``run_identity.json``.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters: model.freeze covers the whole model")
-    fused = training.adam_fused and fused_available(device_type)
+    local = [_local(p) for p in params]
+    devices = sorted({t.device for t in local}, key=str)
+    dtypes = tuple(sorted({t.dtype for t in local}, key=str))
+    if len(devices) != 1:
+        implementation, reason = "foreach", f"parameters on several devices ({', '.join(map(str, devices))})"
+    else:
+        implementation, reason = adamw_implementation(training, devices[0], dtypes)
+    fused = implementation == "fused"
     kwargs = {
         "lr": training.lr,
         "betas": (training.adam_beta1, training.adam_beta2),
@@ -148,9 +219,19 @@ def build_optimizer(model: nn.Module, training: Training, device_type: str) -> t
         "foreach": not fused,
         "fused": fused,
     }
-    if training.optimizer == "adamw_swap":
-        return AdamWSwap(params, **kwargs)
-    return torch.optim.AdamW(params, **kwargs)
+    cls = AdamWSwap if training.optimizer == "adamw_swap" else torch.optim.AdamW
+    optimizer = cls(params, **kwargs)
+    optimizer.adamw_choice = {
+        "optimizer": training.optimizer,
+        "adam_fused_requested": training.adam_fused,
+        "implementation": implementation,
+        "reason": reason,
+        "device_type": device_type,
+    }
+    # A recipe that asked for the fused kernel and did not get it deserves more than an info line.
+    report = log.warning if training.adam_fused and not fused else log.info
+    report("%s: %s AdamW (%s)", training.optimizer, implementation, reason)
+    return optimizer
 
 
 def lr_at(step: int, training: Training) -> float:

@@ -1,7 +1,9 @@
 """Attention backends for the language model, chosen per device.
 
 - CPU: ``sdpa`` (``eager`` when asked for explicitly).
-- CUDA: ``flash_attention_2`` when the ``flash-attn`` package is installed, otherwise ``sdpa``.
+- CUDA: ``flash_attention_2`` when the ``flash-attn`` package is installed, ``flash_attention_3``
+  when asked for and ``flash-attn-3`` (FlashAttention-3, module ``flash_attn_interface``) is
+  installed, otherwise ``sdpa``. Both are found the way transformers finds them.
 - NPU: ``torch_npu.npu_fusion_attention`` registered in transformers' attention-function
   registry under the name ``npu_fusion_attention``.
 
@@ -15,14 +17,31 @@ no device synchronisation.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import logging
+from functools import cache
 
 import torch
 
 log = logging.getLogger(__name__)
 
 NPU_ATTENTION = "npu_fusion_attention"
+
+#: FlashAttention version -> (module, distribution), as transformers' is_flash_attn_{2,3}_available
+#: check them: FA3 is ``flash_attn_interface`` from ``flash-attn-3``; ``flash_attn`` is FA2 only
+#: when ``flash-attn`` installed it (flash-attn-4 installs a ``flash_attn`` module too).
+FLASH_ATTENTION_PACKAGES = {2: ("flash_attn", "flash-attn"), 3: ("flash_attn_interface", "flash-attn-3")}
+
+
+@cache
+def flash_attention_available(version: int) -> bool:
+    """Whether FlashAttention ``version`` (2 or 3) is installed (cached: the vision tower asks per layer)."""
+    module, distribution = FLASH_ATTENTION_PACKAGES[version]
+    if importlib.util.find_spec(module) is None:
+        return False
+    owners = importlib.metadata.packages_distributions().get(module, [])
+    return distribution in {name.replace("_", "-").lower() for name in owners}
 
 
 def validate_right_padding(attention_mask: torch.Tensor | None) -> None:
@@ -61,10 +80,12 @@ def resolve_attention(requested: str, device_type: str) -> str:
 
     Recipes ported from the NPU seed ask for ``flash_attention_2``; on NPU that means the fusion
     kernel, on CUDA the flash-attn package when installed, and on the CPU ``sdpa``.
+    ``flash_attention_3`` on CUDA needs flash-attn-3; without it FA2 (or sdpa) is used, with a warning.
     """
     if requested not in ("sdpa", "eager", "flash_attention_2", "flash_attention_3", NPU_ATTENTION):
         raise ValueError(
-            f"model.attn_implementation {requested!r} is not supported; use sdpa, eager or flash_attention_2"
+            f"model.attn_implementation {requested!r} is not supported; "
+            "use sdpa, eager, flash_attention_2 or flash_attention_3"
         )
     if requested in ("sdpa", "eager"):
         return requested
@@ -72,8 +93,18 @@ def resolve_attention(requested: str, device_type: str) -> str:
         register_npu_attention()
         return NPU_ATTENTION
     if device_type == "cuda" and requested != NPU_ATTENTION:
-        if importlib.util.find_spec("flash_attn") is not None:
-            return "flash_attention_2" if requested == "flash_attention_2" else requested
+        if requested == "flash_attention_3":
+            if flash_attention_available(3):
+                return requested
+            fallback = "flash_attention_2" if flash_attention_available(2) else "sdpa"
+            log.warning(
+                "model.attn_implementation=flash_attention_3 but flash-attn-3 (module flash_attn_interface) "
+                "is not installed; using %s",
+                fallback,
+            )
+            return fallback
+        if flash_attention_available(2):
+            return requested
         log.warning("model.attn_implementation=%s but flash-attn is not installed; using sdpa", requested)
         return "sdpa"
     log.info("model.attn_implementation=%s is not available on %s; using sdpa", requested, device_type)

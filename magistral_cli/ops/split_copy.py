@@ -10,8 +10,14 @@ Anything the kernel was not written for (other dtypes, non-contiguous or aliased
 logical negative / conjugate views, tensors that require grad, blocked NPU formats such as
 FRACTAL_NZ) goes to the native op, so the result and the errors are exactly native's.
 
+The block (elements per program) is sized per device and dtype (``BLOCK_SIZES``): an Ascend
+tile must fit the AI core's unified buffer, a CUDA one the registers. Should the kernel still
+fail to compile or launch on a device, that call and every later one of the same variant go to
+the native op, with one warning per variant: an exception inside FSDP2's all-gather would stop
+the run for an optimisation.
+
 On the CPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``), which is how
-its logic is tested on machines without an accelerator.
+its logic is tested on machines without an accelerator; there it uses the CUDA block.
 """
 
 from __future__ import annotations
@@ -35,13 +41,46 @@ EXPECTED_SCHEMA = (
 )
 #: dtypes the kernel copies (bitwise; anything else goes to the native op).
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.int8)
-#: Elements per program; parts larger than this use several programs along grid axis 0.
-BLOCK = 32768
+
+#: The unified buffer (UB) of an Ascend A2 / A3 AI core: 1572864 bits, triton-ascend's "ub overflow" limit.
+NPU_UB_BYTES = 192 << 10
+#: triton-ascend's default multibuffer allocates every UB buffer twice (triton-ascend #302: a
+#: 32768-element fp32 tile, 128 KiB, needs 256 KiB and does not compile).
+NPU_MULTIBUFFER = 2
+#: UB left to the compiler's own scratch (vllm-ascend reserves 6 KiB for the same reason).
+NPU_UB_RESERVE = 8 << 10
+#: Bytes per element the compiler may hold beside the data tile: int32 offsets and an i8 mask.
+_NPU_INDEX_BYTES = 4 + 1
+#: On CUDA: 64 elements a thread (16384 over 8 warps). 32768 over Triton's default 4 warps
+#: spills registers to the stack on sm_90 for every dtype; this does not (test_split_copy_aot).
+CUDA_BLOCK = 16384
+CUDA_NUM_WARPS = 8
+
+
+def _npu_block(dtype: torch.dtype) -> int:
+    """The largest power of two whose tile, offsets and mask, times multibuffer, fit the UB."""
+    fitting = (NPU_UB_BYTES - NPU_UB_RESERVE) // NPU_MULTIBUFFER // (dtype.itemsize + _NPU_INDEX_BYTES)
+    return 1 << (fitting.bit_length() - 1)
+
+
+#: Elements per program, per (device type, dtype); larger parts use several programs along grid
+#: axis 0. ``tl.arange`` needs a power of two. "cpu" is the interpreter, which checks CUDA's logic.
+BLOCK_SIZES: dict[tuple[str, torch.dtype], int] = {
+    **{("cuda", d): CUDA_BLOCK for d in SUPPORTED_DTYPES},
+    **{("cpu", d): CUDA_BLOCK for d in SUPPORTED_DTYPES},
+    **{("npu", d): _npu_block(d) for d in SUPPORTED_DTYPES},
+}
+#: Launch options per device type (triton-ascend has no warps; the interpreter ignores them).
+LAUNCH_OPTIONS: dict[str, dict[str, int]] = {"cuda": {"num_warps": CUDA_NUM_WARPS}}
 #: NPU formats whose logical strides describe the storage (ND and NCHW); others are blocked.
 _PLAIN_NPU_FORMATS = (0, 2)
 
-#: How many calls took each path in this process (the probe checks the kernel really ran).
-calls = {"kernel": 0, "native": 0}
+#: How many calls took each path in this process (the probe checks the kernel really ran):
+#: "kernel" counts copies the kernel did, "native" those the native op did, "failed" the
+#: kernel failures among the latter.
+calls = {"kernel": 0, "native": 0, "failed": 0}
+#: Variants (device type, dtype, block) whose kernel failed in this process, with the error.
+failed: dict[tuple[str, torch.dtype, int], str] = {}
 
 _registration: torch.library.Library | None = None
 
@@ -113,6 +152,40 @@ def unsupported_reason(
     return None
 
 
+def _copy_with_kernel(source: torch.Tensor, sizes: Sequence[int], out: Sequence[torch.Tensor]) -> bool:
+    """Copy with the kernel; False (after one warning per variant) when it fails to compile or launch.
+
+    A failure leaves the outputs partly written at most; the native op then rewrites them all.
+    """
+    device = source.device.type
+    block = BLOCK_SIZES[device, source.dtype]
+    variant = (device, source.dtype, block)
+    if variant in failed:
+        return False
+    kernel = _kernel(_interpreting())
+    options = LAUNCH_OPTIONS.get(device, {})
+    world, stride = source.shape[0], source.shape[1]
+    offset = 0
+    try:
+        for n, output in zip(sizes, out, strict=True):
+            if n:
+                kernel[(-(-n // block), world)](source, output, n, stride, offset, block, **options)
+            offset += n
+    except Exception as exc:  # triton's, the backend compiler's or the driver's: never out of the all-gather
+        first = str(exc).strip().splitlines()
+        failed[variant] = f"{type(exc).__name__}: {first[0] if first else ''}"
+        calls["failed"] += 1
+        warnings.warn(
+            f"the Triton split-copy kernel failed for {source.dtype} on {device} (BLOCK={block}): "
+            f"{failed[variant]}; FSDP2's native copy does these all-gathers from now on "
+            "(parallel.fsdp_plan.use_triton_split_copy: false avoids the attempt)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
+
+
 def split_with_sizes_copy(
     all_gather_output: torch.Tensor,
     all_gather_input_split_sizes: Sequence[int],
@@ -122,21 +195,14 @@ def split_with_sizes_copy(
 ) -> None:
     """Our implementation of ``fsdp::split_with_sizes_copy``: the kernel, or the native op."""
     source, sizes = all_gather_output, [int(n) for n in all_gather_input_split_sizes]
-    if unsupported_reason(source, sizes, dim, out) is not None:
-        calls["native"] += 1
-        torch.split_with_sizes_copy(source, all_gather_input_split_sizes, dim=dim, out=out)
+    if unsupported_reason(source, sizes, dim, out) is None and _copy_with_kernel(source, sizes, out):
+        calls["kernel"] += 1
+        # The native out= op bumps each output's version counter once; a Triton store does not,
+        # so do it here. FSDP2 wraps the call in _unsafe_preserve_version_counter, which undoes it.
+        torch.autograd.graph.increment_version(out)
         return
-    calls["kernel"] += 1
-    kernel = _kernel(_interpreting())
-    world, stride = source.shape[0], source.shape[1]
-    offset = 0
-    for n, output in zip(sizes, out, strict=True):
-        if n:
-            kernel[(-(-n // BLOCK), world)](source, output, n, stride, offset, BLOCK)
-        offset += n
-    # The native out= op bumps each output's version counter once; a Triton store does not,
-    # so do it here. FSDP2 wraps the call in _unsafe_preserve_version_counter, which undoes it.
-    torch.autograd.graph.increment_version(out)
+    calls["native"] += 1
+    torch.split_with_sizes_copy(source, all_gather_input_split_sizes, dim=dim, out=out)
 
 
 def check_fsdp_op() -> None:

@@ -6,21 +6,24 @@ stay inside each image. transformers' eager / sdpa path does that with a dense b
 is hundreds of MiB. Here attention sees the per-image sequence lengths instead:
 
 - CPU: ``scaled_dot_product_attention`` per image;
-- CUDA: ``flash_attn_varlen_func`` when flash-attn is installed (sdpa per image otherwise);
+- CUDA: FlashAttention-3's ``flash_attn_varlen_func`` (``flash_attn_interface``, from flash-attn-3)
+  when installed, else flash-attn's, else sdpa per image (FA3 has no dropout: with dropout, FA2);
 - NPU: ``torch_npu.npu_fusion_attention`` in the ``TND`` layout with the actual sequence lengths.
 
 fp32 inputs use sdpa per image on every device (the fused kernels take bf16 / fp16).
 
 It is wired in through transformers' attention-function registry (``AttentionInterface``)
 and a forward pre-hook on the tower that passes the lengths (as the seed's
-``_prepare_vision_attention`` did). Only the tower's config changes; the decoder keeps its own
-attention. The tower is replicated across context-parallel ranks, so this function never
-communicates: a vision tower must not join the decoder's sequence split.
+``_prepare_vision_attention`` did). The hook computes them once per forward, on the host, and
+passes them as plain ints to every layer: reading them back from the device tensor
+``cu_seq_lens_q`` in each layer would synchronise the device once per layer (twice: q and k).
+Only the tower's config changes; the decoder keeps its own attention. The tower is replicated
+across context-parallel ranks, so this function never communicates: a vision tower must not
+join the decoder's sequence split.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from itertools import accumulate
 from typing import Any
 
@@ -28,12 +31,15 @@ import torch
 import torch.nn.functional as F
 
 from magistral_cli.errors import UserError
+from magistral_cli.ops.attention import flash_attention_available
 
 #: The name in transformers' AttentionInterface. It contains "flash" on purpose: for such
 #: implementations transformers passes ``cu_seq_lens_*`` and builds no dense block mask.
 ATTENTION_NAME = "magistral_vision_flash_varlen"
 
 _HOOK_FLAG = "_magistral_vision_attention_hook"
+#: The keyword under which the pre-hook hands every layer the images' end offsets (host ints).
+ENDS_KWARG = "magistral_image_ends"
 
 
 def image_sequence_lengths(image_sizes: Any, patch_size: int, count: int | None = None) -> list[int]:
@@ -50,7 +56,9 @@ def vision_attention_backend(device: str) -> str:
     """The kernel the tower uses on ``device`` in bf16 / fp16 (for logs and the probe's report)."""
     if device == "npu":
         return "torch_npu.npu_fusion_attention(TND, actual_seq_qlen)"
-    if device == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+    if device == "cuda" and flash_attention_available(3):
+        return "flash_attn_interface.flash_attn_varlen_func (FlashAttention-3)"
+    if device == "cuda" and flash_attention_available(2):
         return "flash_attn.flash_attn_varlen_func"
     return "torch sdpa per image"
 
@@ -85,15 +93,30 @@ def _sdpa_per_image(query, key, value, ends, dropout, scaling):
     return torch.cat(outputs, dim=2).transpose(1, 2)  # (batch, seq, heads, dim)
 
 
-def _flash_varlen(query, key, value, ends, dropout, scaling):
-    from flash_attn import flash_attn_varlen_func
+def _flash_varlen(query, key, value, ends, cu_seq_lens, dropout, scaling, version):
+    """flash-attn's (version 2) or FlashAttention-3's varlen kernel over the packed images."""
+    if version == 3:
+        from flash_attn_interface import flash_attn_varlen_func
+    else:
+        from flash_attn import flash_attn_varlen_func
 
-    cu = torch.tensor([0, *ends], dtype=torch.int32, device=query.device)
+    if not (isinstance(cu_seq_lens, torch.Tensor) and cu_seq_lens.device == query.device):
+        cu_seq_lens = torch.tensor([0, *ends], dtype=torch.int32, device=query.device)
+    cu = cu_seq_lens.to(torch.int32)
     max_len = max(b - a for a, b in zip([0, *ends], ends, strict=False))
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (seq, heads, dim)
-    out = flash_attn_varlen_func(
-        q, k, v, cu, cu, max_len, max_len, dropout_p=dropout, softmax_scale=scaling, causal=False
+    kwargs = dict(
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+        max_seqlen_q=max_len,
+        max_seqlen_k=max_len,
+        softmax_scale=scaling,
+        causal=False,
     )
+    if version == 2:
+        kwargs["dropout_p"] = dropout
+    out = flash_attn_varlen_func(q, k, v, **kwargs)
+    out = out[0] if isinstance(out, tuple) else out  # early FA3 releases also return the LSE
     return out.unsqueeze(0)
 
 
@@ -133,34 +156,52 @@ def vision_attention_forward(
             f"vision attention expects Pixtral's single packed sequence, got batch {query.shape[0]}"
         )
     total = query.shape[2]
-    ends = _ends(cu_seq_lens_q, total)
-    if cu_seq_lens_k is not None and _ends(cu_seq_lens_k, total) != ends:
-        raise ValueError("vision attention: query and key image boundaries differ")
-    if cu_seq_lens_q is None and attention_mask is not None:
+    host_ends = kwargs.get(ENDS_KWARG)
+    if host_ends is not None:
+        # From the pre-hook: host ints, so no layer reads cu_seq_lens back from the device.
+        ends = _ends(list(host_ends), total)
+    else:
+        ends = _ends(cu_seq_lens_q, total)
+        if cu_seq_lens_k is not None and _ends(cu_seq_lens_k, total) != ends:
+            raise ValueError("vision attention: query and key image boundaries differ")
+    if cu_seq_lens_q is None and host_ends is None and attention_mask is not None:
         raise ValueError(
             "vision attention got a dense mask but no image lengths: call apply_vision_attention(model, device)"
         )
     device = query.device.type
     half = query.dtype in (torch.float16, torch.bfloat16)
+    flash = None
+    if device == "cuda" and half:
+        if flash_attention_available(3) and dropout == 0.0:
+            flash = 3
+        elif flash_attention_available(2):
+            flash = 2
     if device == "npu" and half:
         out = _npu_fusion(query, key, value, ends, dropout, scaling)
-    elif device == "cuda" and half and importlib.util.find_spec("flash_attn") is not None:
-        out = _flash_varlen(query, key, value, ends, dropout, scaling)
+    elif flash is not None:
+        out = _flash_varlen(query, key, value, ends, cu_seq_lens_q, dropout, scaling, flash)
     else:
         out = _sdpa_per_image(query, key, value, ends, dropout, scaling)
     return out, None
 
 
 def _prepare_vision_attention(module, args, kwargs):
-    """Forward pre-hook on the tower: pass per-image lengths so attention keeps image boundaries."""
+    """Forward pre-hook on the tower: pass per-image lengths so attention keeps image boundaries.
+
+    The lengths are read once per forward (from ``image_sizes``: one read-back when that is a
+    device tensor) and reach every layer as host ints under ``ENDS_KWARG``; ``cu_seq_lens_*``
+    go along for the flash kernels, which want them on the device.
+    """
     pixel_values = args[0] if args else kwargs["pixel_values"]
     image_sizes = args[1] if len(args) > 1 else kwargs.get("image_sizes")
     if image_sizes is None:
         image_sizes = [tuple(pixel_values.shape[-2:])] * pixel_values.shape[0]
     lengths = image_sequence_lengths(image_sizes, module.patch_size)
-    cu = torch.tensor([0, *accumulate(lengths)], dtype=torch.int32, device=pixel_values.device)
+    ends = tuple(accumulate(lengths))
+    cu = torch.tensor([0, *ends], dtype=torch.int32, device=pixel_values.device)
     kwargs = dict(kwargs)
     kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
+    kwargs[ENDS_KWARG] = ends
     return args, kwargs
 
 

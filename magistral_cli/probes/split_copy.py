@@ -125,6 +125,7 @@ def _run_cases(
                     op(source, sizes, dim=1, out=actual)
                     assert split_copy.calls["kernel"] == kernel_calls + 1, (
                         "the kernel did not run (native fallback)"
+                        + (f"; kernel failures: {split_copy.failed}" if split_copy.failed else "")
                     )
                     for a, e in zip(actual, expected, strict=True):
                         assert torch.equal(a, e), "values differ from native split_with_sizes_copy"

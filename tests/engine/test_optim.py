@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -60,3 +61,40 @@ def test_pack_round_trip_without_pickle():
     assert packed.dtype == torch.uint8
     out = unpack(packed)
     assert out["python"] == state["python"] and out["n"] == 12 and torch.equal(out["torch"], state["torch"])
+
+
+def test_fused_adamw_is_chosen_only_where_a_fused_step_really_runs(tmp_path, caplog):
+    """CPU fp32 has torch's fused kernel; CPU float8 reaches the kernel, which really rejects it.
+
+    The float8 case is the failure a torch_npu build without ``_fused_adamw_`` produces: the
+    constructor accepts the parameters and the kernel raises NotImplementedError on the step.
+    """
+    from magistral_cli.engine.optim import adamw_implementation, build_optimizer, fused_unavailable_reason
+    from magistral_cli.launch.identity import record_resolved
+
+    fused = Training(train_iters=2, adam_fused=True)
+    assert adamw_implementation(fused, "cpu") == (
+        "fused",
+        "training.adam_fused is true and a fused AdamW step ran on cpu (float32)",
+    )
+    assert adamw_implementation(Training(train_iters=2), "cpu") == ("foreach", "training.adam_fused is false")
+    assert "not implemented for 'Float8_e4m3fn'" in fused_unavailable_reason("cpu", torch.float8_e4m3fn)
+
+    with caplog.at_level("INFO", logger="magistral_cli.engine"):
+        opt = build_optimizer(torch.nn.Linear(3, 2), fused, "cpu")
+    assert opt.defaults["fused"] and not opt.defaults["foreach"]
+    assert opt.adamw_choice["implementation"] == "fused"
+    assert "fused AdamW" in caplog.text
+
+    caplog.clear()
+    float8 = torch.nn.Linear(3, 2).to(torch.float8_e4m3fn)
+    with caplog.at_level("INFO", logger="magistral_cli.engine"):
+        swap = build_optimizer(float8, fused.model_copy(update={"optimizer": "adamw_swap"}), "cpu")
+    assert isinstance(swap, AdamWSwap) and swap.defaults["foreach"] and not swap.defaults["fused"]
+    assert swap.adamw_choice["implementation"] == "foreach"
+    assert "kernel failed on cpu for float8_e4m3fn" in swap.adamw_choice["reason"]
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+
+    record_resolved(tmp_path / "run", adamw=swap.adamw_choice)  # started without the launcher
+    written = json.loads((tmp_path / "run" / "run_identity.json").read_text())
+    assert written == {"resolved": {"adamw": swap.adamw_choice}}

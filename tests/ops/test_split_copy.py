@@ -194,3 +194,58 @@ def test_an_fsdp_that_no_longer_calls_the_op_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(_fsdp_collectives, "foreach_all_gather_copy_out", foreach_all_gather_copy_out)
     with pytest.raises(split_copy.SplitCopyUnavailable, match="no longer copies out"):
         split_copy.check_fsdp_op()
+
+
+def test_block_sizes_fit_the_ascend_unified_buffer_and_keep_cuda_large():
+    """triton-ascend #302: a 32768-element fp32 tile (128 KiB, twice for multibuffer) overflows the UB."""
+    for dtype in split_copy.SUPPORTED_DTYPES:
+        npu = split_copy.BLOCK_SIZES["npu", dtype]
+        assert npu & (npu - 1) == 0  # tl.arange takes powers of two only
+        # data tile + int32 offsets + i8 mask, twice for multibuffer, within the UB less the reserve
+        footprint = npu * (dtype.itemsize + 4 + 1) * split_copy.NPU_MULTIBUFFER
+        assert footprint <= split_copy.NPU_UB_BYTES - split_copy.NPU_UB_RESERVE
+        assert footprint * 2 > split_copy.NPU_UB_BYTES - split_copy.NPU_UB_RESERVE  # the largest that fits
+        assert split_copy.BLOCK_SIZES["cuda", dtype] == split_copy.BLOCK_SIZES["cpu", dtype] == 16384
+    assert {split_copy.BLOCK_SIZES["npu", d] for d in split_copy.SUPPORTED_DTYPES} == {8192}
+    assert 32768 * 4 * split_copy.NPU_MULTIBUFFER > split_copy.NPU_UB_BYTES  # the old block, as in #302
+
+
+@pytest.mark.parametrize("block", [8192, 16384])
+def test_every_block_size_copies_like_native(kernel, block, monkeypatch):
+    """The NPU and CUDA blocks, run by the interpreter, on parts that span several programs."""
+    monkeypatch.setitem(split_copy.BLOCK_SIZES, ("cpu", torch.bfloat16), block)
+    sizes = [block - 1, 1, 2 * block + 3]
+    source = torch.randint(-63, 64, (2, sum(sizes))).to(torch.bfloat16)
+    actual = [torch.empty(2, n, dtype=torch.bfloat16) for n in sizes]
+    ran = kernel["kernel"]
+    op(source, sizes, dim=1, out=actual)
+    assert kernel["kernel"] == ran + 1
+    for a, e in zip(actual, source.split(sizes, dim=1), strict=True):
+        assert torch.equal(a, e)
+
+
+def test_a_kernel_that_fails_to_compile_falls_back_to_native_with_one_warning(kernel, monkeypatch):
+    """A real Triton failure: tl.arange rejects a block that is not a power of two.
+
+    The one thing injected is the table entry (the block the engine would choose); the error is
+    Triton's own, raised while the first program is built.
+    """
+    monkeypatch.setitem(split_copy.BLOCK_SIZES, ("cpu", torch.float32), 1000)
+    monkeypatch.setattr(split_copy, "failed", {})
+    source = torch.randn(2, 15)
+    before = dict(kernel)
+    with pytest.warns(RuntimeWarning, match="split-copy kernel failed for torch.float32 on cpu") as caught:
+        for _ in range(3):
+            actual = [torch.full((2, n), 5.0) for n in (3, 5, 7)]
+            versions = [t._version for t in actual]
+            op(source, [3, 5, 7], dim=1, out=actual)
+            for a, e in zip(actual, source.split([3, 5, 7], dim=1), strict=True):
+                assert torch.equal(a, e)
+            assert [t._version - v for t, v in zip(actual, versions, strict=True)] == [1, 1, 1]
+    assert len([w for w in caught if "split-copy" in str(w.message)]) == 1
+    assert "power of 2" in split_copy.failed["cpu", torch.float32, 1000]
+    assert kernel == {**before, "native": before["native"] + 3, "failed": before["failed"] + 1}
+    # Other dtypes keep the kernel.
+    halves = [torch.empty(2, n, dtype=torch.float16) for n in (3, 5, 7)]
+    op(source.half(), [3, 5, 7], dim=1, out=halves)
+    assert kernel["kernel"] == before["kernel"] + 1

@@ -84,3 +84,46 @@ def test_bad_targets_are_user_errors():
     if importlib.util.find_spec("torch_npu") is None:
         with pytest.raises(UserError, match="needs torch_npu"):
             apply_vision_attention(torch.nn.Linear(2, 2), "npu")
+
+
+class _CountToList(torch.overrides.TorchFunctionMode):
+    """Counts ``Tensor.tolist`` calls: each one on a device tensor is a device synchronisation."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.tolist:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_image_lengths_are_read_once_per_forward_not_once_per_layer(model):
+    """Before, every layer read cu_seq_lens_q and cu_seq_lens_k back: 1 + 2 x layers read-backs."""
+    reference = copy.deepcopy(model.model.vision_tower)
+    reference.config._attn_implementation = "sdpa"
+    tower = copy.deepcopy(model.model.vision_tower)
+    apply_vision_attention(tower, "cpu")
+    assert len(tower.transformer.layers) >= 2
+    pixels = torch.randn(2, 3, 16, 24)
+    sizes = torch.tensor([[16, 16], [16, 24]])
+    with _CountToList() as counted:
+        actual = tower(pixels, image_sizes=sizes).last_hidden_state
+    assert counted.calls == 1  # image_sizes, in the pre-hook
+    as_list = sizes.tolist()
+    with _CountToList() as counted:
+        from_list = tower(pixels, image_sizes=as_list).last_hidden_state
+    assert counted.calls == 0
+    expected = reference(pixels, image_sizes=sizes).last_hidden_state
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(from_list, actual)
+
+
+def test_host_image_ends_must_cover_the_patches():
+    q = torch.randn(1, 2, 6, 8)
+    with pytest.raises(ValueError, match="do not cover 6 patches"):
+        vision_attention_forward(None, q, q, q, None, magistral_image_ends=(2, 5))
+    out, _ = vision_attention_forward(None, q, q, q, None, magistral_image_ends=(2, 6))
+    expected, _ = vision_attention_forward(None, q, q, q, None, cu_seq_lens_q=torch.tensor([0, 2, 6]))
+    assert torch.equal(out, expected)
