@@ -41,7 +41,11 @@ def train(
         ),
     ] = None,
     dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Resolve, write the run directory, print the command, and stop.")
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Resolve, write the run directory, print the command and the per-rank memory plan, and stop.",
+        ),
     ] = False,
     json_out: Annotated[
         bool, typer.Option("--json", help="Print the launch plan as one JSON object on stdout.")
@@ -65,7 +69,7 @@ def train(
     if dry_run:
         console.print("[green]dry run:[/] nothing was started.")
         return
-    code = run_launch(plan, console)
+    code = run_launch(plan, console, node_rank=node_rank)
     raise typer.Exit(code)
 
 

@@ -1,0 +1,626 @@
+"""The memory plan: what one rank will allocate, estimated from the recipe before anything starts.
+
+``magistral train RECIPE --dry-run`` builds the recipe's model on the meta device (no memory),
+reads off the parameter shapes, the FSDP2 units, the frozen modules and the decoder's shape, and
+:func:`estimate` turns them into per-rank byte counts. Everything below models what the engine
+really allocates; each formula says where the bytes come from.
+
+Notation: ``p`` bytes per element of ``fsdp_plan.param_dtype`` (the all-gathered compute copy;
+fp32 when unset), ``r`` of ``reduce_dtype``, ``W`` the FSDP group size (dp x cp), ``T`` the
+tokens of one micro-batch on one rank (``micro_batch_size x cutoff_len / cp``), ``N = T - mb``
+the tokens whose next token is predicted, ``V`` the vocabulary, ``H`` the hidden size.
+
+Persistent, on the device (per rank, the largest rank: FSDP2 gives every rank
+``ceil(dim0 / W)`` rows of each parameter, padded, so rank 0's shard is the largest):
+
+- **parameter shards**: fp32 master weights (``build_model`` builds in fp32), frozen ones included:
+  ``4 x sum ceil(dim0 / W) x rest``.
+- **gradient shards**: FSDP2 reduce-scatters into one flat buffer per unit in the parameters'
+  dtype (fp32), trainable parameters only: ``4 x trainable shard``.
+- **optimizer states**: AdamW's ``exp_avg`` and ``exp_avg_sq``, fp32: ``8 x trainable shard``.
+  With ``adamw_swap`` they live in host memory; on the device only the chunk being updated
+  (``AdamWSwap`` streams chunks of >= 256 MiB of parameters: 2 x the largest chunk, computed
+  from the real parameter order).
+
+Transient, on the device, in three phases (the peak is the largest phase):
+
+1. **loss** (the start of the last micro-batch's backward): the saved activations of every
+   layer and the loss head's logits are alive together.
+2. **backward** (its end): every gradient shard exists, the activations are gone except one
+   layer's, which is recomputed (recompute) or still saved, plus its gradient temporaries.
+3. **optimizer step**: parameters, gradients, states and the optimizer's temporaries.
+
+- **all-gather buffers**: each unit's parameters unsharded in ``p`` while it computes, plus the
+  units already gathered ahead: ``max(1, num_to_backward_prefetch)`` (FSDP2 prefetches one unit
+  implicitly in the backward). Sized by the largest unit: ``(1 + ahead) x padded numel x p``.
+- **unit gradients in flight**: the unit's unsharded gradients (``p``, autograd's output) and its
+  reduce-scatter input (``r``, kept until the next unit's reduce-scatter):
+  ``trainable numel x p + padded trainable numel x r`` of the largest trainable unit.
+- **activations** (per token and decoder layer, what autograd saves in transformers' Mistral
+  layer): each RMSNorm saves its fp32 input copy, its normalised ``p`` copy and its output
+  (``(4 + 2p) H``, twice); attention saves the rotated q and k, v, the attention output, its
+  log-sum-exp and the o_proj input (``p (3 nh d + 2 nkv d) + 4 nh``); the MLP saves gate, SiLU, up
+  and their product (``4 p I``). With recompute a checkpointed layer keeps only its input
+  (``p H``) and the backward recomputes one layer at a time. A layer's backward adds
+  its gradient temporaries (``3 p I + 2 p H``: the MLP's, the largest). The final norm adds
+  ``(4 + 2p) H``. Frozen vision towers save nothing (no input needs a gradient).
+- **loss head logits**: plain (``chunk_size`` unset or ``N <= chunk_size``): ``F.linear`` gives
+  ``N x V`` logits in ``p``, upcast to fp32, log-softmax's fp32 output is saved; in the backward
+  the log-softmax output, its incoming gradient and the logits' gradient are fp32 at once:
+  ``12 N V``. Chunked (``ops.chunked_loss``): the two gradients computed in the forward
+  (``N H p`` and ``V H p``) plus one chunk's fp32 logits and their ``p`` gradient
+  (``c V (4 + p)``), or in the backward the two gradients twice (scaled copies).
+- **gradient accumulation** (``gradient_accumulation_steps > 1``): the gradient shards of the
+  earlier micro-batches are alive during the later ones. With ``defer_grad_sync`` FSDP2 keeps
+  every trainable parameter's gradient *unsharded* instead, in ``r`` (FSDP2 accumulates in the
+  reduce dtype) on every rank: ``trainable x r``, in the loss and backward phases.
+- **optimizer temporaries**: ``foreach`` AdamW's ``sqrt(exp_avg_sq)`` is one fp32 copy of the
+  trainable shard; the fused kernel has none.
+
+Host memory (per rank; the node holds ``nproc_per_node`` of them): the ``adamw_swap`` states.
+On the CPU the device *is* the host: the host total adds the device peak to the host items,
+plus the **CPU runtime** item (memory the allocator and kernels take at first use, measured on
+the CPU runs of ``tests/engine/test_memory_plan.py``); there is no separate device to check.
+glibc's heap can also keep freed blocks below its mmap threshold (at most 32 MiB each) resident:
+the plan does not count that (about 0.3 GiB in the mid-size CPU run, none with
+``MALLOC_MMAP_THRESHOLD_=131072``), so a CPU run's RSS can exceed the plan by that much.
+Figures exclude the process's own baseline (interpreter, libraries, process group) and, on
+accelerators, the runtime context and the allocator's cached-but-free blocks: they are the
+allocator's *peak allocated*, the figure the trainer logs as ``peak_allocated_mib``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+GIB = 1 << 30
+MIB = 1 << 20
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+#: AdamWSwap's default chunk (``engine/optim.py``).
+SWAP_CHUNK_BYTES = 256 << 20
+#: Warn when the peak passes this fraction of the device (or host) memory: the rest covers the
+#: allocator's fragmentation and the runtime context, which the plan does not count.
+WARN_FRACTION = 0.95
+#: Memory a CPU rank takes at first use beyond its tensors (oneDNN/BLAS scratch, gloo buffers, code
+#: paged in at the first forward and backward). Measured in tests/engine/test_memory_plan.py's runs:
+#: the RSS left after training above the parameters and AdamW states, 52 MiB (tiny model) and 36 MiB
+#: (mid-size, with glibc returning freed blocks); one constant, not scaled.
+CPU_RUNTIME_BYTES = 64 * MIB
+PHASES = ("loss", "backward", "optimizer step")
+
+
+@dataclass(frozen=True)
+class UnitShape:
+    """One FSDP2 unit: the parameters it owns (unique), unsharded and on the largest rank."""
+
+    name: str
+    numel: int
+    trainable_numel: int
+    padded_numel: int  # sum of ceil(dim0 / W) x W x rest: the all-gather output
+    trainable_padded_numel: int
+
+
+@dataclass(frozen=True)
+class TextShape:
+    """The decoder's sizes (``text_config``) and how many of its layers are recomputed."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    recomputed_layers: int = 0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Everything the estimator needs from the model: plain numbers, no tensors."""
+
+    total: int
+    trainable: int
+    frozen: int
+    shard_numel: int  # on the largest rank, all parameters
+    trainable_shard_numel: int
+    #: The trainable parameters' local shard sizes (largest rank), in ``model.parameters()`` order.
+    trainable_shards: tuple[int, ...]
+    units: tuple[UnitShape, ...]
+    text: TextShape
+    vision_trainable: bool
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """The recipe's settings that move memory, with the resolved world."""
+
+    device: str
+    world_size: int
+    nproc_per_node: int = 1
+    cp: int = 1
+    param_dtype: str | None = "fp32"
+    reduce_dtype: str | None = "fp32"
+    micro_batch_size: int = 1
+    cutoff_len: int = 2048
+    gradient_accumulation_steps: int = 1
+    chunk_size: int | None = None
+    optimizer: str = "adamw"
+    fused_adam: bool = False
+    num_to_forward_prefetch: int = 0
+    num_to_backward_prefetch: int = 0
+    defer_grad_sync: bool = False
+    device_memory_bytes: int | None = None
+    device_memory_source: str | None = None
+    host_memory_bytes: int | None = None
+
+    @property
+    def p(self) -> int:
+        return DTYPE_BYTES[self.param_dtype] if self.param_dtype else 4
+
+    @property
+    def r(self) -> int:
+        return DTYPE_BYTES[self.reduce_dtype] if self.reduce_dtype else self.p
+
+
+@dataclass(frozen=True)
+class MemoryItem:
+    key: str
+    name: str
+    where: str  # "device" or "host"
+    bytes: int
+    phases: tuple[str, ...]
+    formula: str
+
+    @property
+    def gib(self) -> float:
+        return self.bytes / GIB
+
+
+@dataclass
+class MemoryPlan:
+    settings: PlanSettings
+    parameters: dict[str, int]
+    items: list[MemoryItem]
+    phases: dict[str, int]  # device bytes per phase
+    peak_phase: str
+    device_peak: int
+    host_peak: int
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.settings.device == "cpu"
+
+    def to_json(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "parameters": dict(self.parameters),
+            "memory": {
+                "per_rank_device_gib": _gib(self.device_peak),
+                "per_rank_host_gib": _gib(self.host_peak),
+                "per_node_host_gib": _gib(self.host_peak * s.nproc_per_node),
+                "peak_phase": self.peak_phase,
+                "phases_gib": {k: _gib(v) for k, v in self.phases.items()},
+                "items": {i.key: _gib(i.bytes) for i in self.items},
+                "details": [
+                    {
+                        "key": i.key,
+                        "name": i.name,
+                        "where": i.where,
+                        "gib": _gib(i.bytes),
+                        "phases": list(i.phases),
+                        "formula": i.formula,
+                    }
+                    for i in self.items
+                ],
+                "device_memory_gib": _gib(s.device_memory_bytes) if s.device_memory_bytes else None,
+                "device_memory_source": s.device_memory_source,
+                "host_memory_gib": _gib(s.host_memory_bytes) if s.host_memory_bytes else None,
+                "device_is_host": self.on_cpu,
+            },
+            "settings": {k: v for k, v in asdict(s).items() if not k.endswith("_bytes")},
+            "warnings": list(self.warnings),
+            "notes": list(self.notes),
+        }
+
+
+def _gib(n: int) -> float:
+    return round(n / GIB, 3)
+
+
+# --------------------------------------------------------------------------- the estimate
+
+
+def layer_activation_bytes_per_token(text: TextShape, p: int) -> int:
+    """Bytes autograd saves per token in one decoder layer without recompute (see the module doc)."""
+    h, nh, nkv, d = text.hidden, text.heads, text.kv_heads, text.head_dim
+    norms = 2 * (4 + 2 * p) * h
+    attention = p * (3 * nh * d + 2 * nkv * d) + 4 * nh
+    mlp = 4 * p * text.intermediate
+    return norms + attention + mlp
+
+
+def layer_backward_temp_bytes_per_token(text: TextShape, p: int) -> int:
+    """Gradient temporaries of one layer's backward (the MLP's: three intermediate-sized tensors)."""
+    return 3 * p * text.intermediate + 2 * p * text.hidden
+
+
+def loss_head_bytes(tokens: int, text: TextShape, p: int, chunk_size: int | None) -> tuple[int, str]:
+    """(peak bytes of the loss head, formula) for ``tokens`` predicted tokens."""
+    v, h = text.vocab, text.hidden
+    if chunk_size is None or tokens <= chunk_size:
+        return 12 * tokens * v, f"plain: 12 B x {tokens:,} tokens x {v:,} vocab"
+    grads = p * (tokens * h + v * h)
+    forward = grads + chunk_size * v * (4 + p)
+    backward = 2 * grads
+    return max(forward, backward), f"chunks of {chunk_size}: grads of hidden and head + one chunk"
+
+
+def swap_chunk_bytes(trainable_shards: tuple[int, ...], chunk_bytes: int = SWAP_CHUNK_BYTES) -> int:
+    """The largest chunk ``AdamWSwap._chunks`` forms (fp32 shards, closed once >= chunk_bytes)."""
+    largest = size = 0
+    for numel in trainable_shards:
+        size += 4 * numel
+        if size >= chunk_bytes:
+            largest, size = max(largest, size), 0
+    return max(largest, size)
+
+
+def estimate(shape: ModelShape, s: PlanSettings) -> MemoryPlan:
+    """The per-rank memory plan of ``shape`` trained with ``s`` (pure arithmetic)."""
+    p, r = s.p, s.r
+    text = shape.text
+    items: list[MemoryItem] = []
+
+    def add(key, name, nbytes, phases, formula, where="device"):
+        items.append(MemoryItem(key, name, where, int(nbytes), tuple(phases), formula))
+
+    every = PHASES
+    add(
+        "parameter_shards",
+        "parameter shards (fp32)",
+        4 * shape.shard_numel,
+        every,
+        f"4 B x {shape.shard_numel:,} (frozen too)",
+    )
+    add(
+        "gradient_shards",
+        "gradient shards (fp32)",
+        4 * shape.trainable_shard_numel,
+        ("backward", "optimizer step") + (("loss",) if s.gradient_accumulation_steps > 1 else ()),
+        f"4 B x {shape.trainable_shard_numel:,} trainable",
+    )
+    states = 8 * shape.trainable_shard_numel
+    fused = s.fused_adam
+    if s.optimizer == "adamw_swap":
+        add(
+            "optimizer_states",
+            "AdamW states (fp32, host)",
+            states,
+            every,
+            "2 x 4 B x trainable shard",
+            "host",
+        )
+        chunk = swap_chunk_bytes(shape.trainable_shards)
+        # On the CPU the moments are used in place (``.to("cpu")`` is a no-op): only foreach's sqrt.
+        copies = (0 if s.device == "cpu" else 2) + (0 if fused else 1)
+        add(
+            "optimizer_work",
+            "AdamWSwap chunk on the device",
+            copies * chunk,
+            ("optimizer step",),
+            f"{copies} x largest chunk ({chunk / MIB:,.0f} MiB)",
+        )
+    else:
+        add("optimizer_states", "AdamW states (fp32)", states, every, "2 x 4 B x trainable shard")
+        add(
+            "optimizer_work",
+            "AdamW temporaries",
+            0 if fused else 4 * shape.trainable_shard_numel,
+            ("optimizer step",),
+            "fused: none" if fused else "foreach sqrt(exp_avg_sq): 4 B x trainable shard",
+        )
+
+    units = shape.units
+    trainable_units = [u for u in units if u.trainable_numel] or list(units)
+    largest = max(units, key=lambda u: u.padded_numel)
+    largest_trainable = max(trainable_units, key=lambda u: u.padded_numel)
+    ahead = max(1, s.num_to_backward_prefetch)
+    add(
+        "all_gather",
+        f"all-gather buffers ({p}-byte params)",
+        (1 + ahead) * largest.padded_numel * p,
+        ("loss", "backward"),
+        f"(1 + {ahead} ahead) x {p} B x {largest.padded_numel:,} ({_short(largest.name)})",
+    )
+    add(
+        "unit_grads",
+        "unit gradients in flight",
+        largest_trainable.trainable_numel * p + largest_trainable.trainable_padded_numel * r,
+        ("backward",),
+        f"({p} + {r}) B x {largest_trainable.trainable_numel:,} ({_short(largest_trainable.name)})",
+    )
+
+    tokens = s.micro_batch_size * math.ceil(s.cutoff_len / s.cp)
+    predicted = max(1, tokens - s.micro_batch_size)
+    per_layer = layer_activation_bytes_per_token(text, p)
+    checkpointed = text.recomputed_layers
+    saved = checkpointed * p * text.hidden + (text.layers - checkpointed) * per_layer
+    final_norm = (4 + 2 * p) * text.hidden
+    add(
+        "activations",
+        "activations (saved for backward)",
+        tokens * (saved + final_norm),
+        ("loss",),
+        f"{tokens:,} tokens x ({checkpointed} checkpoints x {p * text.hidden:,} B"
+        f" + {text.layers - checkpointed} layers x {per_layer:,} B + norm)",
+    )
+    add(
+        "layer_backward",
+        "one layer's backward" + (" (recomputed)" if checkpointed else ""),
+        tokens * (per_layer + layer_backward_temp_bytes_per_token(text, p)),
+        ("backward",),
+        f"{tokens:,} tokens x ({per_layer:,} saved + {layer_backward_temp_bytes_per_token(text, p):,} grad) B",
+    )
+    head, head_formula = loss_head_bytes(predicted, text, p, s.chunk_size)
+    add(
+        "loss_logits",
+        "loss head logits" + (" (chunked)" if s.chunk_size else ""),
+        head,
+        ("loss",),
+        head_formula,
+    )
+    if s.gradient_accumulation_steps > 1 and s.defer_grad_sync:
+        add(
+            "deferred_grads",
+            "unsharded gradients (defer_grad_sync)",
+            shape.trainable * r,
+            ("loss", "backward"),
+            f"{r} B x {shape.trainable:,} trainable, on every rank",
+        )
+
+    phases = {ph: sum(i.bytes for i in items if i.where == "device" and ph in i.phases) for ph in PHASES}
+    if s.gradient_accumulation_steps > 1 and s.defer_grad_sync:
+        # The unsharded gradients are reduce-scattered unit by unit in the last backward: the
+        # shards replace them, the two are never both complete.
+        grads = next(i.bytes for i in items if i.key == "gradient_shards")
+        phases["backward"] -= min(grads, shape.trainable * r)
+        phases["loss"] -= grads
+    peak_phase = max(phases, key=phases.get)
+    device_peak = phases[peak_phase]
+    host_items = sum(i.bytes for i in items if i.where == "host")
+    notes: list[str] = []
+    if s.device == "cpu":
+        add(
+            "cpu_runtime",
+            "CPU runtime (allocator, kernels)",
+            CPU_RUNTIME_BYTES,
+            every,
+            "measured constant (first-use allocations)",
+            "host",
+        )
+        host_peak = host_items + CPU_RUNTIME_BYTES + device_peak
+        notes.append("on the CPU the device is the host: the host total includes the device peak")
+    else:
+        host_peak = host_items
+    if fused and s.device != "cpu" and s.optimizer == "adamw":
+        notes.append(
+            "assumes the fused AdamW kernel runs on the device; where it does not, the trainer falls back to "
+            f"foreach (run_identity.json: resolved.adamw) and the optimizer step takes "
+            f"{4 * shape.trainable_shard_numel / GIB:.2f} GiB more"
+        )
+    if shape.vision_trainable:
+        notes.append(
+            "the vision tower is trainable: its activations depend on the images and are not counted"
+        )
+
+    warnings: list[str] = []
+    if s.device_memory_bytes and s.device != "cpu" and device_peak > WARN_FRACTION * s.device_memory_bytes:
+        warnings.append(
+            f"estimated peak {device_peak / GIB:.1f} GiB per rank is above {WARN_FRACTION:.0%} of the "
+            f"{s.device_memory_bytes / GIB:.1f} GiB device memory ({s.device_memory_source}); " + _advice(s)
+        )
+    node_host = host_peak * s.nproc_per_node
+    if s.host_memory_bytes and node_host > WARN_FRACTION * s.host_memory_bytes:
+        warnings.append(
+            f"estimated host memory {node_host / GIB:.1f} GiB per node ({s.nproc_per_node} ranks) is above "
+            f"{WARN_FRACTION:.0%} of the {s.host_memory_bytes / GIB:.1f} GiB here"
+        )
+    return MemoryPlan(
+        settings=s,
+        parameters={"total": shape.total, "trainable": shape.trainable, "frozen": shape.frozen},
+        items=items,
+        phases=phases,
+        peak_phase=peak_phase,
+        device_peak=device_peak,
+        host_peak=host_peak,
+        warnings=warnings,
+        notes=notes,
+    )
+
+
+def _short(name: str) -> str:
+    """``model.language_model.layers.{*}`` style names, shortened for the table."""
+    return re.sub(r"\.(\d+)$", ".N", name.removeprefix("model."))
+
+
+def _advice(s: PlanSettings) -> str:
+    hints = []
+    if s.defer_grad_sync and s.gradient_accumulation_steps > 1:
+        hints.append("parallel.fsdp_plan.defer_grad_sync=false")
+    if s.chunk_size is None:
+        hints.append("features.enable_chunk_loss=true")
+    if s.optimizer != "adamw_swap":
+        hints.append("training.optimizer=adamw_swap")
+    hints.append("more ranks or a smaller micro-batch / cutoff_len")
+    return "try " + ", ".join(hints)
+
+
+# --------------------------------------------------------------------------- from a model / recipe
+
+
+def _shard_rows(numel: int, dim0: int, world: int) -> tuple[int, int]:
+    """(local numel on the largest rank, padded numel) of one parameter sharded on dim 0."""
+    rest = numel // dim0 if dim0 else 0
+    rows = -(-dim0 // world)
+    return rows * rest, rows * world * rest
+
+
+_LAYER = re.compile(r"^(.*\.layers)\.(\d+)$")
+
+
+def model_shape(
+    model, *, frozen: list[str], units: list[str], recomputed: list[str], world: int
+) -> ModelShape:
+    """The :class:`ModelShape` of ``model`` (meta is fine) sharded over ``world`` ranks.
+
+    ``frozen``, ``units`` and ``recomputed`` are module names (``select_modules`` resolved the
+    recipe's patterns); units are in the order ``apply_fsdp`` shards them, the root comes last.
+    """
+    frozen_prefixes = tuple(f"{n}." for n in frozen)
+    owners = [(u, f"{u}.") for u in units]
+    unit_acc: dict[str, list[int]] = {u: [0, 0, 0, 0] for u in [*units, "(root)"]}
+    seen: set[int] = set()
+    total = trainable = shard = trainable_shard = 0
+    shards: list[int] = []
+    vision_trainable = False
+    for name, param in model.named_parameters(remove_duplicate=True):
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        n = param.numel()
+        is_trainable = not name.startswith(frozen_prefixes)
+        dim0 = param.shape[0] if param.dim() else 1
+        local, padded = _shard_rows(n, dim0, world)
+        total += n
+        shard += local
+        owner = next((u for u, prefix in owners if name.startswith(prefix)), "(root)")
+        acc = unit_acc[owner]
+        acc[0] += n
+        acc[2] += padded
+        if is_trainable:
+            trainable += n
+            trainable_shard += local
+            shards.append(local)
+            acc[1] += n
+            acc[3] += padded
+            vision_trainable |= name.startswith("model.vision_tower.")
+    unit_shapes = tuple(UnitShape(u, *acc) for u, acc in unit_acc.items() if acc[0])
+    text = model.config.text_config
+    layer_names = [n for n, _ in model.named_modules() if _LAYER.match(n) and "language_model" in n]
+    recomputed_set = tuple(recomputed)
+    recomputed_layers = sum(
+        1 for n in layer_names if any(n == r or n.startswith(f"{r}.") for r in recomputed_set)
+    )
+    return ModelShape(
+        total=total,
+        trainable=trainable,
+        frozen=total - trainable,
+        shard_numel=shard,
+        trainable_shard_numel=trainable_shard,
+        trainable_shards=tuple(shards),
+        units=unit_shapes,
+        text=TextShape(
+            hidden=text.hidden_size,
+            intermediate=text.intermediate_size,
+            layers=text.num_hidden_layers,
+            heads=text.num_attention_heads,
+            kv_heads=text.num_key_value_heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+            vocab=text.vocab_size,
+            recomputed_layers=recomputed_layers,
+        ),
+        vision_trainable=vision_trainable,
+    )
+
+
+def _device_memory(device: str, requested_gib: float | None, detected: bool) -> tuple[int | None, str | None]:
+    if requested_gib:
+        return int(requested_gib * GIB), "parallel.device_memory_gib"
+    if not detected or device not in ("cuda", "npu"):
+        return None, None
+    try:
+        import torch
+
+        mod = torch.cuda if device == "cuda" else torch.npu  # type: ignore[attr-defined]
+        return int(mod.get_device_properties(0).total_memory), f"detected {device}:0"
+    except Exception:  # a device that cannot be queried only loses the check
+        return None, None
+
+
+def host_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def settings_from_recipe(
+    recipe, *, device: str, world_size: int, nproc_per_node: int, detected: bool
+) -> PlanSettings:
+    """:class:`PlanSettings` of a resolved recipe (``detected``: the device is visible here)."""
+    par, plan, feat, train = recipe.parallel, recipe.parallel.fsdp_plan, recipe.features, recipe.training
+    cp = par.ulysses_parallel_size * par.ring_attention_size
+    fused = train.adam_fused and device in ("cpu", "cuda", "npu")
+    memory, source = _device_memory(device, getattr(par, "device_memory_gib", None), detected)
+    return PlanSettings(
+        device=device,
+        world_size=world_size,
+        nproc_per_node=nproc_per_node,
+        cp=cp,
+        param_dtype=plan.param_dtype,
+        reduce_dtype=plan.reduce_dtype,
+        micro_batch_size=train.micro_batch_size,
+        cutoff_len=recipe.data.dataset_param.basic_parameters.cutoff_len,
+        gradient_accumulation_steps=train.gradient_accumulation_steps,
+        chunk_size=feat.chunkloss_plan.chunk_size if feat.enable_chunk_loss else None,
+        optimizer=train.optimizer,
+        fused_adam=fused,
+        num_to_forward_prefetch=plan.num_to_forward_prefetch,
+        num_to_backward_prefetch=plan.num_to_backward_prefetch,
+        defer_grad_sync=plan.defer_grad_sync,
+        device_memory_bytes=memory,
+        device_memory_source=source,
+        host_memory_bytes=host_memory_bytes() if detected else None,
+    )
+
+
+def plan_recipe(recipe, *, device: str, world_size: int, nproc_per_node: int, detected: bool) -> MemoryPlan:
+    """Build the recipe's model on the meta device and estimate its per-rank memory.
+
+    Raises UserError for an unreadable config or a module pattern that matches nothing.
+    """
+    import torch
+
+    from magistral_cli.config.patterns import select_modules
+    from magistral_cli.model_config import read_model_config
+
+    from .model import build_model
+
+    config = read_model_config(
+        recipe.model.model_name_or_path,
+        trust_remote_code=recipe.model.trust_remote_code,
+        what="model.model_name_or_path",
+    )
+    with torch.device("meta"):
+        model = build_model(config, meta=True, attn_implementation="sdpa")
+
+    def names(patterns: list[str], what: str) -> list[str]:
+        return [n for n, _ in select_modules(model, patterns, what=what)] if patterns else []
+
+    frozen = names(recipe.model.freeze, "model.freeze pattern")
+    units = names(recipe.parallel.fsdp_plan.apply_modules, "parallel.fsdp_plan.apply_modules pattern")
+    feat = recipe.features
+    recomputed = (
+        names(feat.recompute_plan.apply_modules, "features.recompute_plan pattern") if feat.recompute else []
+    )
+    shape = model_shape(model, frozen=frozen, units=units, recomputed=recomputed, world=world_size)
+    settings = settings_from_recipe(
+        recipe, device=device, world_size=world_size, nproc_per_node=nproc_per_node, detected=detected
+    )
+    return estimate(shape, settings)
