@@ -40,10 +40,12 @@ from .safetensors_io import SafetensorsStreamWriter, TensorSpec, safetensors_dty
 from .staging import refuse_existing, staged_directory
 from .validate import (
     compare_keys,
+    dcp_dtypes,
     dcp_shapes,
     detect_dcp_layout,
     model_keys,
     read_dcp_metadata,
+    required_dtype,
     resolve_dcp_checkpoint,
 )
 
@@ -308,7 +310,7 @@ def locate_rows(fd: int, start: int, length: int, dtype, storage_offsets, length
 def _make_direct_reader(
     checkpoint_dir: Path, metadata, sink_range, counts: dict[str, int], direct: bool = True
 ):
-    """A FileSystemReader that copies each tensor item's bytes from its ``.distcp`` file straight
+    """A SafeFileSystemReader that copies each tensor item's bytes from its ``.distcp`` file straight
     into the output file (``sink_range(dcp_key, fd, offset, nbytes, row_offset)``), where
     ``locate_rows`` finds them, and hands every other item to DCP's own reader (``torch.load``,
     then the load planner), in the checkpoint's order. ``counts`` tallies the items of each path;
@@ -318,9 +320,10 @@ def _make_direct_reader(
     fresh tensor and copies it into the planner's; the direct copy skips both and keeps the
     bytes out of the process.
     """
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.planner import LoadItemType
     from torch.futures import Future
+
+    from .safe_dcp import SafeFileSystemReader
 
     def whole_rows(item) -> bool:
         md = metadata.state_dict_metadata[item.dest_index.fqn]
@@ -329,7 +332,7 @@ def _make_direct_reader(
             for offset, length, size in zip(item.dest_offsets[1:], item.lengths[1:], md.size[1:], strict=True)
         )
 
-    class DirectReader(FileSystemReader):
+    class DirectReader(SafeFileSystemReader):
         def read_data(self, plan, planner):
             # A tensor goes the direct way only if every chunk of it is a block of whole rows:
             # the planner assembles the others whole and must see all of their chunks.
@@ -394,6 +397,7 @@ def export_dcp_to_hf(
     progress: ProgressFn | None = None,
     fsync: bool = False,
     direct: bool = True,
+    allow_dtype_mismatch: bool = False,
 ) -> ExportResult:
     """Write the model tensors of the DCP checkpoint ``dcp_dir`` as an HF model directory ``out_dir``.
 
@@ -404,6 +408,9 @@ def export_dcp_to_hf(
     ``fsync=True`` syncs every file to disk before the directory appears. ``direct=False``
     reads every tensor through DCP's own reader (``torch.load`` of each item) instead of copying
     the bytes of plain items file to file (the result is the same; the direct copy is faster).
+    Every model tensor must be floating point; a conversion (fsdp2, megatron layout) must also
+    have config.json's ``dtype`` unless ``allow_dtype_mismatch`` (a training checkpoint holds fp32
+    master weights and is exported as it is).
     """
     import torch
     import torch.distributed.checkpoint as dcp
@@ -431,8 +438,15 @@ def export_dcp_to_hf(
             best.message("Pass a checkpoint of the model that --model-dir's config.json describes.")
         )
     prefix = DCP_MODEL_PREFIX[dcp_layout]
-    report = compare_keys(f"DCP checkpoint {checkpoint_dir} (layout {dcp_layout})", expected, shapes, prefix)
-    if report.wrong_shapes:
+    report = compare_keys(
+        f"DCP checkpoint {checkpoint_dir} (layout {dcp_layout})",
+        expected,
+        shapes,
+        prefix,
+        dtypes=dcp_dtypes(metadata),
+        dtype=required_dtype(expected, dcp_layout, allow_dtype_mismatch),
+    )
+    if report.wrong_shapes or report.wrong_dtypes:
         raise CheckFailed(
             report.message("Pass a checkpoint of the model that --model-dir's config.json describes.")
         )

@@ -39,7 +39,15 @@ from .keys import (
 )
 from .safetensors_io import TensorSpec
 from .staging import refuse_existing, staged_directory
-from .validate import ModelKeys, compare_keys, model_keys, require_valid, validate_dcp
+from .validate import (
+    ModelKeys,
+    compare_keys,
+    dtype_name,
+    model_keys,
+    require_valid,
+    required_dtype,
+    validate_dcp,
+)
 
 #: Megatron's tracker file: names the iteration directory to load ("release" for converted weights).
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
@@ -151,14 +159,17 @@ def convert_hf_to_dcp(
     layout: str = "fsdp2",
     progress: ProgressFn | None = None,
     fsync: bool = False,
+    allow_dtype_mismatch: bool = False,
 ) -> ConversionResult:
     """Convert the HF checkpoint in ``model_dir`` into a new DCP directory ``dcp_dir``.
 
     ``layout="fsdp2"``: the DCP keys are transformers' ``Mistral3ForConditionalGeneration`` keys
     at the root. ``layout="megatron"``: ``{"model": {"model." + key: ...}, "checkpoint_version"}``
     (flattened keys ``model.model.<key>``) under ``dcp_dir/release`` plus Megatron's tracker file.
-    Source keys may be official or transformers keys. Values and dtypes are kept exactly. The keys
-    and shapes are validated against config.json before and after writing. ``dcp_dir`` must not
+    Source keys may be official or transformers keys. Values and dtypes are kept exactly. The keys,
+    shapes and dtypes are validated against config.json before and after writing: every tensor
+    floating point and of config.json's ``dtype``, unless ``allow_dtype_mismatch`` accepts other
+    floating dtypes (integer and bool tensors are refused regardless). ``dcp_dir`` must not
     exist; on any failure nothing is left behind. ``fsync=True`` syncs every file to disk before
     the directory appears (durable across a power loss; slower where the disk is slower than memory).
     """
@@ -180,7 +191,11 @@ def convert_hf_to_dcp(
         keymap[name][s.name]: s for name, specs in weights.files.items() for s in specs
     }
     source_report = compare_keys(
-        f"HF checkpoint {model_dir}", expected, {k: s.shape for k, s in specs_by_key.items()}
+        f"HF checkpoint {model_dir}",
+        expected,
+        {k: s.shape for k, s in specs_by_key.items()},
+        dtypes={k: dtype_name(s.torch_dtype()) for k, s in specs_by_key.items()},
+        dtype=required_dtype(expected, layout, allow_dtype_mismatch),
     )
     if not source_report.ok:
         raise CheckFailed(source_report.message("Check that config.json belongs to these weights."))
@@ -243,7 +258,7 @@ def convert_hf_to_dcp(
         if layout == "megatron":
             (tmp / MEGATRON_TRACKER).write_text(MEGATRON_RELEASE_DIR + "\n", encoding="utf-8")
 
-        validation = require_valid(validate_dcp(model_dir, tmp, layout, expected))
+        validation = require_valid(validate_dcp(model_dir, tmp, layout, expected, allow_dtype_mismatch))
     return ConversionResult(
         layout=layout,
         dcp_dir=dcp_dir,

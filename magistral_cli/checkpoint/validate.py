@@ -1,12 +1,20 @@
-"""Check a checkpoint's keys and shapes against the model that config.json describes.
+"""Check a checkpoint's keys, shapes and dtypes against the model that config.json describes.
 
 The reference is transformers' ``Mistral3ForConditionalGeneration`` built on the meta device
 from ``config.json`` (no memory, no weights, ``trust_remote_code=False``). Every key and every
 shape must match; the report lists what is missing, unexpected or of the wrong shape.
+
+Dtypes: a model tensor must be floating point, always (an int32 ``lm_head`` passed keys and
+shapes, and training from it started at loss ln(vocab)). And it must have config.json's
+``dtype`` (legacy ``torch_dtype``) unless the caller allows another floating dtype
+(``--allow-dtype-mismatch``), since the conversions keep dtypes exactly and a float16 tensor in
+a bfloat16 model is a mixed-up checkpoint more often than an intent. Training checkpoints are
+the exception: they hold the fp32 master weights, so only floating point is required of them.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +34,8 @@ class ModelKeys:
     shapes: dict[str, tuple[int, ...]]
     #: Keys that alias another key's tensor (tied weights): a checkpoint may leave them out.
     aliases: set[str] = field(default_factory=set)
+    #: config.json's ``dtype`` (or legacy ``torch_dtype``) as a torch name ("bfloat16"), or None.
+    dtype: str | None = None
 
     @property
     def required(self) -> list[str]:
@@ -53,7 +63,35 @@ def model_keys(model_dir: str | Path) -> ModelKeys:
             aliases.add(key)
         else:
             seen[id(value)] = key
-    return ModelKeys(shapes, aliases)
+    return ModelKeys(shapes, aliases, config_dtype(model_dir))
+
+
+def config_dtype(model_dir: Path) -> str | None:
+    """config.json's ``dtype`` (transformers >= 4.56) or ``torch_dtype`` (older files), at the top
+    level or in ``text_config``; None when absent or not a floating torch dtype name ("auto")."""
+    try:
+        data = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # read_model_config has already said what is wrong with the file
+    for section in (data, data.get("text_config") or {}):
+        value = section.get("dtype") or section.get("torch_dtype")
+        if isinstance(value, str):
+            name = value.removeprefix("torch.")
+            return name if is_floating_dtype(name) else None
+    return None
+
+
+def is_floating_dtype(name: str) -> bool:
+    """Whether ``name`` ("bfloat16", "int32") is a floating-point torch dtype."""
+    import torch
+
+    dtype = getattr(torch, name, None)
+    return isinstance(dtype, torch.dtype) and dtype.is_floating_point
+
+
+def dtype_name(dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass
@@ -67,14 +105,29 @@ class KeyReport:
     unexpected: list[str]
     #: (key, expected shape, actual shape)
     wrong_shapes: list[tuple[str, tuple[int, ...], tuple[int, ...] | None]]
+    #: (key, expected dtype or "floating point", actual dtype)
+    wrong_dtypes: list[tuple[str, str, str]] = field(default_factory=list)
+    #: The dtype every model tensor must have, or None when only floating point was required.
+    dtype: str | None = None
+    #: Whether dtypes were compared at all (False for callers that passed none).
+    dtypes_checked: bool = False
+
+    @property
+    def keys_ok(self) -> bool:
+        return not (self.missing or self.unexpected or self.wrong_shapes)
 
     @property
     def ok(self) -> bool:
-        return not (self.missing or self.unexpected or self.wrong_shapes)
+        return self.keys_ok and not self.wrong_dtypes
 
     def message(self, fix: str = "") -> str:
         if self.ok:
-            return f"{self.what}: all {self.expected} model keys and shapes match config.json"
+            if not self.dtypes_checked:
+                return f"{self.what}: all {self.expected} model keys and shapes match config.json"
+            dtypes = f"dtype {self.dtype}" if self.dtype else "floating-point dtypes"
+            return f"{self.what}: all {self.expected} model keys, shapes and {dtypes} match config.json"
+        if self.keys_ok:  # only dtypes are wrong: say so without the empty key lists
+            return f"{self.what}: {self._dtype_text()}"
         shapes = [
             f"{k}: expected {list(e)}, got {list(a) if a is not None else 'a non-tensor'}"
             for k, e, a in self.wrong_shapes
@@ -85,7 +138,21 @@ class KeyReport:
             f"unexpected={len(self.unexpected)} {self.unexpected[:SHOWN]}, "
             f"wrong_shapes={len(self.wrong_shapes)} {shapes[:SHOWN]}"
         )
+        if self.wrong_dtypes:
+            text += f"; {self._dtype_text()}"
         return f"{text}. {fix}" if fix else text
+
+    def _dtype_text(self) -> str:
+        listed = [f"{k}: {a}, expected {e}" for k, e, a in self.wrong_dtypes]
+        text = f"wrong_dtypes={len(self.wrong_dtypes)} {listed[:SHOWN]}"
+        if any(not is_floating_dtype(a) for _, _, a in self.wrong_dtypes):
+            text += "; integer and bool tensors are never model weights, whatever the options"
+        if any(is_floating_dtype(a) for _, _, a in self.wrong_dtypes):
+            text += (
+                f"; convert them to config.json's dtype {self.dtype}, or pass --allow-dtype-mismatch "
+                "to accept floating-point tensors of another dtype"
+            )
+        return text
 
     def to_dict(self) -> dict:
         return {
@@ -101,17 +168,28 @@ class KeyReport:
                 {"key": k, "expected": list(e), "actual": list(a) if a is not None else None}
                 for k, e, a in self.wrong_shapes[:SHOWN]
             ],
+            "dtype": self.dtype,
+            "wrong_dtype_count": len(self.wrong_dtypes),
+            "wrong_dtypes": [{"key": k, "expected": e, "actual": a} for k, e, a in self.wrong_dtypes[:SHOWN]],
         }
 
 
 def compare_keys(
-    what: str, expected: ModelKeys, actual: dict[str, tuple[int, ...] | None], prefix: str = ""
+    what: str,
+    expected: ModelKeys,
+    actual: dict[str, tuple[int, ...] | None],
+    prefix: str = "",
+    dtypes: dict[str, str | None] | None = None,
+    dtype: str | None = None,
 ) -> KeyReport:
     """Compare ``actual`` (key -> shape, None for a non-tensor) with ``prefix`` + the model keys.
 
     Keys outside the prefix's top-level entry (``model.`` for ``model.model.``) are not model
     keys (an optimizer, a step counter) and are ignored, as Megatron's loader ignores them; keys
     inside it that are not the model's are reported as unexpected.
+
+    ``dtypes`` (key -> torch dtype name, None for a non-tensor), when given, is checked too: every
+    model tensor must be floating point and, when ``dtype`` is given, of that dtype.
     """
     top = prefix.split(".", 1)[0] + "." if prefix else ""
     considered = {k: v for k, v in actual.items() if k.startswith(top)}
@@ -120,7 +198,24 @@ def compare_keys(
     missing = [k for k in want if k not in considered and k not in optional]
     unexpected = sorted(k for k in considered if k not in want)
     wrong = [(k, want[k], considered[k]) for k in want if k in considered and considered[k] != want[k]]
-    return KeyReport(what, len(want) - len(optional), len(considered), missing, unexpected, wrong)
+    wrong_dtypes = []
+    for k in want if dtypes is not None else ():
+        got = dtypes.get(k)
+        if got is None:  # absent, or a non-tensor (reported as a wrong shape)
+            continue
+        if not is_floating_dtype(got) or (dtype is not None and got != dtype):
+            wrong_dtypes.append((k, dtype or "floating point", got))
+    return KeyReport(
+        what,
+        len(want) - len(optional),
+        len(considered),
+        missing,
+        unexpected,
+        wrong,
+        wrong_dtypes,
+        dtype,
+        dtypes is not None,
+    )
 
 
 def resolve_dcp_checkpoint(dcp_dir: str | Path) -> Path:
@@ -150,13 +245,11 @@ def resolve_dcp_checkpoint(dcp_dir: str | Path) -> Path:
 
 
 def read_dcp_metadata(checkpoint_dir: Path):
-    """The DCP ``Metadata`` of a checkpoint directory."""
-    from torch.distributed.checkpoint import FileSystemReader
+    """The DCP ``Metadata`` of a checkpoint directory, read by the restricted unpickler of
+    ``safe_dcp`` (a planted ``.metadata`` is refused before it can run anything)."""
+    from .safe_dcp import read_metadata
 
-    try:
-        return FileSystemReader(str(checkpoint_dir)).read_metadata()
-    except Exception as exc:  # a truncated or foreign file: say which, not a pickle traceback
-        raise UserError(f"{checkpoint_dir / DCP_METADATA} is not readable DCP metadata ({exc!r})") from None
+    return read_metadata(checkpoint_dir)
 
 
 def dcp_shapes(metadata) -> dict[str, tuple[int, ...] | None]:
@@ -167,6 +260,24 @@ def dcp_shapes(metadata) -> dict[str, tuple[int, ...] | None]:
         key: tuple(md.size) if isinstance(md, TensorStorageMetadata) else None
         for key, md in metadata.state_dict_metadata.items()
     }
+
+
+def dcp_dtypes(metadata) -> dict[str, str | None]:
+    """Flattened DCP key -> torch dtype name (None for non-tensor entries)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {
+        key: dtype_name(md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+        for key, md in metadata.state_dict_metadata.items()
+    }
+
+
+def required_dtype(expected: ModelKeys, layout: str, allow_dtype_mismatch: bool) -> str | None:
+    """The dtype a checkpoint in ``layout`` must have: config.json's, except for training
+    checkpoints (fp32 master weights) and when the caller allows another floating dtype."""
+    if layout == "engine" or allow_dtype_mismatch:
+        return None
+    return expected.dtype
 
 
 def dcp_checkpoint_dir(dcp_dir: str | Path, layout: str) -> Path:
@@ -214,7 +325,7 @@ class DCPValidation:
             fix = "Pass a checkpoint that training wrote for this config.json"
         if self.matching_layout:
             fix = f"These keys are those of the {self.matching_layout} layout. {fix}"
-        return self.report.message(fix + "." if not self.report.ok else "")
+        return self.report.message(fix + "." if not self.report.keys_ok else "")
 
     def to_dict(self) -> dict:
         return {
@@ -226,20 +337,35 @@ class DCPValidation:
 
 
 def validate_dcp(
-    model_dir: str | Path, dcp_dir: str | Path, layout: str, expected: ModelKeys | None = None
+    model_dir: str | Path,
+    dcp_dir: str | Path,
+    layout: str,
+    expected: ModelKeys | None = None,
+    allow_dtype_mismatch: bool = False,
 ) -> DCPValidation:
-    """Compare the model keys of the DCP checkpoint ``dcp_dir`` (written in ``layout``) with config.json.
+    """Compare the model keys, shapes and dtypes of the DCP checkpoint ``dcp_dir`` (written in
+    ``layout``) with config.json.
 
-    ``layout`` is fsdp2, megatron (read from ``dcp_dir/release``) or engine (a training checkpoint).
+    ``layout`` is fsdp2, megatron (read from ``dcp_dir/release``) or engine (a training checkpoint:
+    floating point required, not config.json's dtype). ``allow_dtype_mismatch`` accepts floating
+    tensors of another dtype than config.json's; integer and bool tensors fail regardless.
     Returns the validation; ``require_valid`` turns a mismatch into ``CheckFailed``.
     """
     if layout not in DCP_MODEL_PREFIX:
         raise UserError(f"unknown DCP layout {layout!r}; use one of {sorted(DCP_MODEL_PREFIX)}")
     expected = expected or model_keys(model_dir)
     checkpoint_dir = dcp_checkpoint_dir(dcp_dir, layout)
-    shapes = dcp_shapes(read_dcp_metadata(checkpoint_dir))
+    metadata = read_dcp_metadata(checkpoint_dir)
+    shapes = dcp_shapes(metadata)
     what = f"DCP checkpoint {checkpoint_dir} (layout {layout})"
-    report = compare_keys(what, expected, shapes, DCP_MODEL_PREFIX[layout])
+    report = compare_keys(
+        what,
+        expected,
+        shapes,
+        DCP_MODEL_PREFIX[layout],
+        dtypes=dcp_dtypes(metadata),
+        dtype=required_dtype(expected, layout, allow_dtype_mismatch),
+    )
     other = None if report.ok else detect_dcp_layout(expected, shapes)
     return DCPValidation(layout, checkpoint_dir, report, other if other != layout else None)
 

@@ -50,6 +50,16 @@ Fsync = Annotated[
     ),
 ]
 
+AllowDtypeMismatch = Annotated[
+    bool,
+    typer.Option(
+        "--allow-dtype-mismatch",
+        help="Accept floating-point tensors whose dtype differs from config.json's `dtype` (e.g. float16 or "
+        "float32 weights for a bfloat16 config). Without it every model tensor of a conversion must have "
+        "that dtype. Integer and bool tensors are refused regardless: they are never model weights.",
+    ),
+]
+
 
 @contextmanager
 def _progress(description: str) -> Iterator[Callable[[int, int], None]]:
@@ -94,13 +104,21 @@ def hf_to_dcp(
         ),
     ] = DCPLayout.fsdp2,
     fsync: Fsync = False,
+    allow_dtype_mismatch: AllowDtypeMismatch = False,
     json_out: JsonOut = False,
 ) -> None:
-    """Stream the HF safetensors shards into a DCP checkpoint, then validate every key and shape."""
+    """Stream the HF safetensors shards into a DCP checkpoint; every key, shape and dtype is checked before and after."""
     from magistral_cli.checkpoint.hf_to_dcp import convert_hf_to_dcp
 
     with _progress(f"hf-to-dcp ({layout.value})") as progress:
-        result = convert_hf_to_dcp(model_dir, dcp_dir, layout.value, progress=progress, fsync=fsync)
+        result = convert_hf_to_dcp(
+            model_dir,
+            dcp_dir,
+            layout.value,
+            progress=progress,
+            fsync=fsync,
+            allow_dtype_mismatch=allow_dtype_mismatch,
+        )
     console.print(
         f"[green]wrote[/] {result.checkpoint_dir}: {result.tensors} tensors, "
         f"{result.bytes / 2**20:.1f} MiB in {result.seconds:.1f} s; "
@@ -116,14 +134,19 @@ def validate(
     dcp_dir: Annotated[Path, typer.Option("--dcp-dir", help="DCP directory to check.", show_default=False)],
     layout: Annotated[
         ValidateLayout,
-        typer.Option("--layout", help="Layout the DCP must have (engine: a training checkpoint)."),
+        typer.Option(
+            "--layout",
+            help="Layout the DCP must have (engine: a training checkpoint; its fp32 master weights need "
+            "only be floating point, not of config.json's dtype).",
+        ),
     ] = ValidateLayout.fsdp2,
+    allow_dtype_mismatch: AllowDtypeMismatch = False,
     json_out: JsonOut = False,
 ) -> None:
-    """Check every model key and shape of a DCP checkpoint against config.json (exit 1 on a mismatch)."""
+    """Check every model key, shape and dtype of a DCP checkpoint against config.json (exit 1 on a mismatch)."""
     from magistral_cli.checkpoint.validate import require_valid, validate_dcp
 
-    validation = validate_dcp(model_dir, dcp_dir, layout.value)
+    validation = validate_dcp(model_dir, dcp_dir, layout.value, allow_dtype_mismatch=allow_dtype_mismatch)
     if json_out:
         emit_json(validation.to_dict())  # printed on a mismatch too, before the exit code 1
     require_valid(validation)
@@ -149,13 +172,22 @@ def dcp_to_hf(
         typer.Option("--layout", help="Key names: official (the mistralai repository) or transformers."),
     ] = HFLayout.official,
     fsync: Fsync = False,
+    allow_dtype_mismatch: AllowDtypeMismatch = False,
     json_out: JsonOut = False,
 ) -> None:
     """Export the model weights of a DCP checkpoint as HF safetensors with the source's file split."""
     from magistral_cli.checkpoint.dcp_to_hf import export_dcp_to_hf
 
     with _progress(f"dcp-to-hf ({layout.value})") as progress:
-        result = export_dcp_to_hf(dcp_dir, model_dir, out_dir, layout.value, progress=progress, fsync=fsync)
+        result = export_dcp_to_hf(
+            dcp_dir,
+            model_dir,
+            out_dir,
+            layout.value,
+            progress=progress,
+            fsync=fsync,
+            allow_dtype_mismatch=allow_dtype_mismatch,
+        )
     console.print(
         f"[green]wrote[/] {result.out_dir}: {len(result.files)} safetensors files, {result.tensors} tensors "
         f"({result.layout} keys, from a {result.dcp_layout}-layout DCP), "

@@ -13,18 +13,71 @@ need the world size (which only the launcher knows) live in ``check_world_size``
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+import functools
+import typing
+from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 Device = Literal["auto", "cpu", "cuda", "npu"]
 
 
-class Section(BaseModel):
-    """Every recipe section rejects unknown keys (the loader names the nearest valid one)."""
+@functools.cache
+def _number_kinds(annotation: Any) -> tuple[str | None, str | None]:
+    """(kind of the value, kind of a list's items): "an integer" / "a number" / None.
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    Looks through Optional / Union; ``bool`` itself is not a number kind.
+    """
+    if annotation is int:
+        return "an integer", None
+    if annotation is float:
+        return "a number", None
+    origin = typing.get_origin(annotation)
+    if origin is list:
+        (item,) = typing.get_args(annotation) or (Any,)
+        return None, _number_kinds(item)[0]
+    if origin is Union:
+        value = items = None
+        for arg in typing.get_args(annotation):
+            v, i = _number_kinds(arg)
+            value, items = value or v, items or i
+        return value, items
+    return None, None
+
+
+_BOOL_HINT = "write the number itself (YAML reads true/false, yes/no and on/off as booleans)"
+
+
+class Section(BaseModel):
+    """Every recipe section rejects unknown keys (the loader names the nearest valid one).
+
+    Numbers are checked more strictly than pydantic's lax mode, for every field of every
+    section: a boolean is not a number (seen: ``train_iters: true`` ran 1 step), and a float
+    must be finite (seen: ``lr: .inf`` passed the recipe check; ``allow_inf_nan``). Ints are
+    still accepted for floats (``lr: 1``) and strings such as ``2e-5`` still parse.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _booleans_are_not_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if not isinstance(value, bool | list):
+            return value
+        field = cls.model_fields.get(info.field_name) if info.field_name else None
+        if field is None:
+            return value
+        kind, item_kind = _number_kinds(field.annotation)
+        if isinstance(value, bool) and kind is not None:
+            raise ValueError(f"got the boolean {str(value).lower()}, which is not {kind}; {_BOOL_HINT}")
+        if isinstance(value, list) and item_kind is not None:
+            for i, item in enumerate(value):
+                if isinstance(item, bool):
+                    raise ValueError(
+                        f"item {i} is the boolean {str(item).lower()}, not {item_kind}; {_BOOL_HINT}"
+                    )
+        return value
 
 
 # --------------------------------------------------------------------------- parallel
@@ -403,7 +456,18 @@ class Training(Section):
     save: Optional[str] = Field(None, description="Checkpoint directory (default: <output_dir>/checkpoints).")
     load_strict: bool = Field(True, description="Any missing or unexpected key stops the run before step 1.")
     resume: Literal["auto", "never"] = Field(
-        "auto", description="Addition. auto continues from <output_dir>/checkpoints/latest when present."
+        "auto",
+        description=(
+            "Addition. auto continues from the newest complete and intact checkpoint in the save "
+            "directory; never starts fresh, and is refused when the save directory already holds checkpoints."
+        ),
+    )
+    skip_nonfinite_steps: bool = Field(
+        False,
+        description=(
+            "Addition. A non-finite loss or gradient norm skips that step's update (logged) instead of "
+            "stopping the run with exit 1."
+        ),
     )
     no_load_optim: bool = Field(False, description="Do not restore the optimizer state from the checkpoint.")
     no_load_rng: bool = Field(False, description="Do not restore RNG states from the checkpoint.")

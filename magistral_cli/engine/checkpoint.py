@@ -11,15 +11,25 @@ DCP would otherwise pickle it and unpickle it with ``weights_only=False``.
 Crash safety: a checkpoint is written to ``.tmp_step_<N>``, renamed to ``step_<N>`` when every
 rank has finished, and only then does ``latest`` (replaced atomically) name it. A crash at any
 point leaves ``latest`` on the previous complete checkpoint.
+
+Integrity: before the rename, every rank hashes the files it wrote (xxh3-64, at memory speed:
+a 24B checkpoint with optimizer state is about 290 GB, and SHA-256 would add minutes) and rank 0
+records every file's size and digest in ``integrity.json``. Resume does not trust ``latest``: it
+takes the newest ``step_<N>`` whose files all match their record (the ranks verify the files in
+parallel), warns about each newer one it skipped and why, and refuses to start fresh over a save
+directory that holds checkpoints (see ``choose_resume``).
 """
 
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
+import re
 import shutil
 import signal
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +40,11 @@ log = logging.getLogger(__name__)
 
 LATEST = "latest"
 TMP_PREFIX = ".tmp_step_"
+METADATA = ".metadata"
+INTEGRITY = "integrity.json"
+DIGEST = "xxh3_64"
+STEP_DIR = re.compile(r"step_(\d+)")
+_READ_CHUNK = 8 << 20
 #: Fault injection for the crash-safety test: ``kill-during-save:<step>[:<rank>]`` SIGKILLs that
 #: rank after its shards of that step's checkpoint are written, before the checkpoint is committed.
 FAULT_ENV = "MAGISTRAL_FAULT_INJECT"
@@ -56,25 +71,167 @@ def step_dir_name(step: int) -> str:
     return f"step_{step}"
 
 
-def read_latest(save_dir: Path) -> Path | None:
-    """The checkpoint ``save_dir/latest`` names, or None (no pointer, or it names a missing directory)."""
+def latest_name(save_dir: Path) -> tuple[str | None, str | None]:
+    """(the ``step_<N>`` name ``save_dir/latest`` holds, or None; why it was not usable, or None).
+
+    ``latest`` is a hint for people and other tools; resume decides from the directories. A name
+    that is not ``step_<N>`` (a path, ``..``, garbage bytes) is never followed.
+    """
     pointer = save_dir / LATEST
     if not pointer.is_file():
-        return None
-    name = pointer.read_text(encoding="utf-8").strip()
-    target = save_dir / name
-    if not (target / ".metadata").is_file():
-        log.warning("%s names %s, which is not a complete checkpoint; ignoring it", pointer, target)
-        return None
-    return target
+        return None, f"{pointer} does not exist" if save_dir.is_dir() else None
+    try:
+        name = pointer.read_bytes().decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        return None, f"{pointer} is unreadable ({exc.__class__.__name__})"
+    if not STEP_DIR.fullmatch(name):
+        return None, f"{pointer} holds {name[:80]!r}, not a step_<N> name in {save_dir}; it is not followed"
+    return name, None
+
+
+def list_checkpoints(save_dir: Path) -> list[tuple[int, Path]]:
+    """Every ``step_<N>`` directory in ``save_dir``, newest first (complete or not)."""
+    if not save_dir.is_dir():
+        return []
+    found = []
+    for entry in save_dir.iterdir():
+        match = STEP_DIR.fullmatch(entry.name)
+        if match and entry.is_dir():
+            found.append((int(match.group(1)), entry))
+    return sorted(found, reverse=True)
+
+
+def file_digest(path: Path) -> str:
+    """The xxh3-64 digest of ``path`` (hex), read in 8 MiB pieces."""
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _describe(path: Path) -> dict[str, Any]:
+    return {"size": path.stat().st_size, DIGEST: file_digest(path)}
+
+
+def rank_files(checkpoint: Path, rank: int) -> list[Path]:
+    """The data files DCP's file-system writer wrote for ``rank`` (``__<rank>_<i>.distcp``)."""
+    return sorted(checkpoint.glob(f"__{rank}_*.distcp"))
+
+
+def write_integrity(checkpoint: Path, files: dict[str, dict[str, Any]], step: int) -> None:
+    """Record every file's size and digest (rank 0, before the checkpoint is committed)."""
+    files = dict(files)
+    files[METADATA] = _describe(checkpoint / METADATA)
+    record = {"format": 1, "algorithm": DIGEST, "step": step, "files": dict(sorted(files.items()))}
+    path = checkpoint / INTEGRITY
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@dataclass
+class Verification:
+    """What ``verify_checkpoint`` found in one checkpoint (for one rank's share of its files)."""
+
+    path: Path
+    problems: list[str] = field(default_factory=list)
+    #: False for a checkpoint written before integrity records existed (nothing to verify against).
+    recorded: bool = True
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> Verification:
+    """Check ``path`` against its ``integrity.json``: file ``i`` of the record is this rank's when
+    ``i % world_size == rank`` (every rank calls it, so the files are read once, in parallel).
+
+    Without a record (an older checkpoint) only ``.metadata`` is required and nothing is hashed.
+    """
+    result = Verification(path)
+    if not path.is_dir():
+        result.problems.append(f"{path} does not exist")
+        return result
+    record_path = path / INTEGRITY
+    if not record_path.is_file():
+        result.recorded = False
+        if not (path / METADATA).is_file():
+            result.problems.append(f"{path} has no {METADATA} (an incomplete save)")
+        return result
+    try:
+        record = json.loads(record_path.read_text(encoding="utf-8"))
+        files = dict(record["files"])
+        if record.get("algorithm") != DIGEST:
+            raise ValueError(f"algorithm {record.get('algorithm')!r}")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        result.problems.append(f"{record_path} is unreadable ({exc})")
+        return result
+    for i, (name, want) in enumerate(sorted(files.items())):
+        if i % world_size != rank:
+            continue
+        file = path / name
+        if not file.is_file():
+            result.problems.append(f"{file} is missing")
+            continue
+        size = file.stat().st_size
+        if size != want.get("size"):
+            result.problems.append(f"{file} has {size} bytes, {want.get('size')} were written")
+        elif file_digest(file) != want.get(DIGEST):
+            result.problems.append(
+                f"{file} does not match its {DIGEST} checksum (the bytes changed after the save)"
+            )
+    return result
+
+
+@dataclass
+class ResumeChoice:
+    """The checkpoint to resume from (or None), and what was passed over on the way."""
+
+    path: Path | None
+    skipped: list[str] = field(default_factory=list)
+    unverified: bool = False
+
+
+def choose_resume(save_dir: Path, verify=verify_checkpoint) -> ResumeChoice:
+    """The newest complete and intact ``step_<N>`` in ``save_dir``.
+
+    ``verify(path)`` returns the ``Verification`` of one checkpoint (the trainer passes one that
+    splits the files over the ranks and combines their findings). Raises ``CheckFailed`` when
+    the directory holds checkpoints and none is intact: a fresh start would overwrite them.
+    """
+    from magistral_cli.errors import CheckFailed
+
+    candidates = list_checkpoints(save_dir)
+    choice = ResumeChoice(None)
+    for _, path in candidates:
+        result = verify(path)
+        if result.ok:
+            choice.path, choice.unverified = path, not result.recorded
+            break
+        choice.skipped.append(f"{path.name}: " + "; ".join(result.problems[:3]))
+    if candidates and choice.path is None:
+        raise CheckFailed(
+            f"{save_dir} holds checkpoints but none is complete and intact, so the run can neither resume nor "
+            "start fresh over them:\n  "
+            + "\n  ".join(choice.skipped)
+            + "\n  fix: point training.load at a good "
+            "checkpoint with a new training.output_dir, or move the broken checkpoints away"
+        )
+    return choice
 
 
 def resolve_checkpoint(path: Path) -> Path | None:
-    """A training checkpoint directory from ``path``: a ``step_<N>`` dir, a checkpoints dir or a run dir."""
+    """A training checkpoint directory from ``path``: a checkpoints dir or a run dir (its newest one)."""
     for candidate in (path, path / "checkpoints"):
-        latest = read_latest(candidate)
-        if latest is not None:
-            return latest
+        found = list_checkpoints(candidate)
+        if found:
+            return found[0][1]
     return None
 
 
@@ -82,9 +239,9 @@ def is_training_checkpoint(path: Path) -> bool:
     """Whether ``path`` is a DCP written by this trainer (it records the step)."""
     if not (path / ".metadata").is_file():
         return False
-    from torch.distributed.checkpoint import FileSystemReader
+    from magistral_cli.checkpoint.safe_dcp import SafeFileSystemReader
 
-    return "step" in FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return "step" in SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
 
 
 def remove_stale_temporaries(save_dir: Path) -> list[Path]:
@@ -121,41 +278,97 @@ def _maybe_inject_fault(step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def save_checkpoint(state: dict[str, Any], save_dir: Path, step: int) -> Path:
-    """Write ``state`` (collective: every rank calls it) and commit it as ``step_<step>``."""
-    import torch.distributed.checkpoint as dcp
+def _reason(exc: BaseException) -> str:
+    """The underlying cause of a failed save in one line (DCP wraps each rank's error)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, failure = sorted(failures.items())[0]
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        text = getattr(inner, "strerror", None) or str(inner)
+        return f"rank {rank}: {type(inner).__name__}: {text}"
+    return f"{type(exc).__name__}: {getattr(exc, 'strerror', None) or exc}"
 
-    rank = dist.get_rank()
-    tmp = save_dir / f"{TMP_PREFIX}{step}"
-    final = save_dir / step_dir_name(step)
-    if rank == 0:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
-    dcp.save(state, checkpoint_id=str(tmp))
-    _maybe_inject_fault(step)
-    # dcp.save returns on every rank after rank 0 wrote .metadata; the barrier makes sure no rank
-    # is still flushing when the directory is renamed.
-    dist.barrier()
-    if rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(save_dir)
-        pointer_tmp = save_dir / f".{LATEST}.tmp"
+
+def _commit(tmp: Path, final: Path, save_dir: Path, files: dict, step: int) -> None:
+    """Rank 0: record the integrity, rename the checkpoint into place, then point ``latest`` at it."""
+    write_integrity(tmp, files, step)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(save_dir)
+    pointer_tmp = save_dir / f".{LATEST}.tmp"
+    try:
         pointer_tmp.write_text(final.name + "\n", encoding="utf-8")
         with open(pointer_tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(pointer_tmp, save_dir / LATEST)
-        _fsync_dir(save_dir)
+    finally:
+        pointer_tmp.unlink(missing_ok=True)
+    _fsync_dir(save_dir)
+
+
+def save_checkpoint(state: dict[str, Any], save_dir: Path, step: int) -> Path:
+    """Write ``state`` (collective: every rank calls it) and commit it as ``step_<step>``.
+
+    Any failure (a full disk, a read-only one) on any rank ends the same way on every rank: the
+    partial ``.tmp_step_<N>`` is removed, nothing is committed, and ``CheckFailed`` names the cause.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from magistral_cli.errors import CheckFailed
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tmp = save_dir / f"{TMP_PREFIX}{step}"
+    final = save_dir / step_dir_name(step)
+    problem = None
+    if rank == 0:
+        try:
+            save_dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        except OSError as exc:
+            problem = _reason(exc)
+    dist.barrier()
+    mine = None
+    try:
+        dcp.save(state, checkpoint_id=str(tmp))  # raises on every rank when any rank fails
+        _maybe_inject_fault(step)
+        # Every rank hashes the files it wrote, in parallel; rank 0 records them all.
+        mine = {p.name: _describe(p) for p in rank_files(tmp, rank)}
+    except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+        problem = problem or _reason(exc)
+    everyone: list[tuple[str | None, dict | None] | None] = [None] * world
+    dist.all_gather_object(everyone, (problem, mine))
+    problems = [part[0] for part in everyone if part and part[0]]
+    outcome: list[str | None] = [None]
+    if rank == 0 and not problems:
+        try:
+            _commit(
+                tmp, final, save_dir, {k: v for part in everyone for k, v in (part[1] or {}).items()}, step
+            )
+        except OSError as exc:
+            outcome[0] = _reason(exc)
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0]:
+        problems.append(outcome[0])
+    if problems:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        raise CheckFailed(
+            f"saving checkpoint {final.name} in {save_dir} failed ({problems[0]}); the partial save was removed "
+            f"and {LATEST} still names the previous checkpoint. Free space there (or point training.save at "
+            "another disk) and launch again: the run resumes from its last good checkpoint"
+        )
     dist.barrier()
     return final
 
 
 def checkpoint_sizes(path: Path, keys: list[str]) -> dict[str, torch.Size]:
     """Sizes of the tensors ``keys`` in a DCP (packed entries have a size only known from the file)."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    from magistral_cli.checkpoint.safe_dcp import SafeFileSystemReader
+
+    metadata = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
     return {k: metadata[k].size for k in keys if isinstance(metadata.get(k), TensorStorageMetadata)}

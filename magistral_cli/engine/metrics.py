@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -49,25 +50,55 @@ def memory_stats(device_type: str) -> dict[str, Any]:
     return out
 
 
+def _strict(value: Any) -> Any:
+    """A non-finite float as null: metrics.jsonl is strict JSON (``NaN`` is not JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
 class MetricsFile:
-    """Append-only ``metrics.jsonl`` (rank 0). On resume, lines after the resumed step are dropped."""
+    """Append-only ``metrics.jsonl`` (rank 0).
+
+    On resume from step N, the lines after step N (and any line a crash cut) are moved aside to
+    ``metrics.after_step_<N>[.K].jsonl`` next to it, never deleted: they describe steps the
+    resumed run will take again.
+    """
 
     def __init__(self, path: Path, resume_step: int = 0):
         self.path = path
+        self.moved_aside: Path | None = None
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.is_file():
-            kept = []
-            for line in path.read_text(encoding="utf-8").splitlines():
+            kept, aside = [], []
+            for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
                 try:
-                    if json.loads(line).get("step", 0) <= resume_step:
-                        kept.append(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut by a crash
-            path.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+                    keep = json.loads(line).get("step", 0) <= resume_step
+                except (json.JSONDecodeError, AttributeError):
+                    keep = False  # a line cut by a crash
+                if not line.strip():
+                    continue
+                (kept if keep else aside).append(line)
+            if aside:
+                self.moved_aside = self._aside_path(resume_step)
+                self.moved_aside.write_text("".join(a + "\n" for a in aside), encoding="utf-8")
+                tmp = path.with_suffix(".jsonl.tmp")
+                tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+                os.replace(tmp, path)
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (held for the whole run)
 
+    def _aside_path(self, step: int) -> Path:
+        base = f"{self.path.stem}.after_step_{step}"
+        candidate, k = self.path.with_name(f"{base}.jsonl"), 1
+        while candidate.exists():
+            candidate, k = self.path.with_name(f"{base}.{k}.jsonl"), k + 1
+        return candidate
+
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps({k: record.get(k) for k in FIELDS}) + "\n")
+        line = {k: _strict(record.get(k)) for k in FIELDS}
+        if record.get("skipped"):
+            line["skipped"] = True
+        self._file.write(json.dumps(line, allow_nan=False) + "\n")
         self._file.flush()
 
     def close(self) -> None:

@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from magistral_cli.config.schema import Recipe
-from magistral_cli.errors import UserError
+from magistral_cli.errors import CheckFailed, UserError
+from magistral_cli.launch.identity import record_resolved
 from magistral_cli.ops.attention import resolve_attention, validate_right_padding
 from magistral_cli.ops.context_parallel import (
     apply_context_parallel,
@@ -147,6 +148,11 @@ class Trainer:
         self.model = self._build_model()
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, training, self.device_type)
+        if self.rank == 0:
+            # Choices only the device can make, next to the launcher's record of the run.
+            record_resolved(
+                self.run_dir, adamw=self.optimizer.adamw_choice, attn_implementation=self.attn_implementation
+            )
         vocab = self.model.config.text_config.vocab_size
         self.data = (
             data
@@ -240,10 +246,31 @@ class Trainer:
         if self.rank == 0:
             for stale in ckpt.remove_stale_temporaries(self.save_dir):
                 log.warning("removed %s, left by an interrupted checkpoint save", stale)
-        resume = ckpt.read_latest(self.save_dir) if training.resume == "auto" else None
+        resume = None
+        if training.resume == "auto":
+            resume = self._choose(self.save_dir, what="resume")
+        else:
+            existing = ckpt.list_checkpoints(self.save_dir)
+            if existing:
+                raise UserError(
+                    f"training.resume=never, but {self.save_dir} holds checkpoints "
+                    f"({', '.join(p.name for _, p in existing[:5])}); a fresh start would overwrite them. "
+                    "Use a new training.output_dir (or training.save), or training.resume=auto to continue"
+                )
         if resume is None and training.load and training.load_format != "hf":
             path = Path(training.load)
-            resume = path if ckpt.is_training_checkpoint(path) else ckpt.resolve_checkpoint(path)
+            if ckpt.is_training_checkpoint(path):
+                result = self._verify(path)
+                if not result.ok:
+                    raise CheckFailed(
+                        f"training.load {path} is a damaged checkpoint: " + "; ".join(result.problems[:5])
+                    )
+                resume = path
+            else:
+                for candidate in (path, path / "checkpoints"):
+                    if ckpt.list_checkpoints(candidate):
+                        resume = self._choose(candidate, what="training.load")
+                        break
         if resume is not None:
             self.load_state_dict(resume)
             log.info("resumed from %s at step %d", resume, self.step)
@@ -262,6 +289,32 @@ class Trainer:
                 "training.load is not set, so there are no weights to materialize the meta-device model with; "
                 "set training.load to the model directory, or init_model_with_meta_device=false for random weights"
             )
+
+    def _verify(self, path: Path) -> ckpt.Verification:
+        """``ckpt.verify_checkpoint`` with the files split over the ranks; every rank gets every finding."""
+        mine = ckpt.verify_checkpoint(path, self.rank, self.world_size)
+        found: list[tuple[list[str], bool] | None] = [None] * self.world_size
+        dist.all_gather_object(found, (mine.problems, mine.recorded))
+        problems = [p for part in found for p in (part[0] if part else [])]
+        return ckpt.Verification(path, problems, recorded=all(part[1] for part in found if part))
+
+    def _choose(self, save_dir: Path, what: str) -> Path | None:
+        """The newest intact checkpoint of ``save_dir``, with a warning for each one passed over."""
+        choice = ckpt.choose_resume(save_dir, verify=self._verify)
+        if self.rank == 0:
+            for skipped in choice.skipped:
+                log.warning("%s: skipped checkpoint %s", what, skipped)
+            if choice.unverified:
+                log.warning("%s: %s has no integrity record (an older save); not verified", what, choice.path)
+            name, problem = ckpt.latest_name(save_dir)
+            if choice.path is not None and (problem or name != choice.path.name):
+                log.warning(
+                    "%s: %s; taking %s, the newest intact checkpoint",
+                    what,
+                    problem or f"{save_dir / ckpt.LATEST} names {name}",
+                    choice.path.name,
+                )
+        return choice.path
 
     def _init_missing(self, missing: list[str]) -> None:
         """Initialise parameters a non-strict load did not provide (transformers' own initialiser)."""
@@ -288,10 +341,11 @@ class Trainer:
     def load_state_dict(self, path: Path) -> None:
         """Continue from the training checkpoint at ``path`` (every rank calls it)."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
+
+        from magistral_cli.checkpoint.safe_dcp import SafeFileSystemReader
 
         training = self.recipe.training
-        keys = set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        keys = set(SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata)
         state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
         missing = sorted(f"model.{k}" for k in state["model"] if f"model.{k}" not in keys)
         if missing:
@@ -306,7 +360,14 @@ class Trainer:
             section, name = key.split(".", 1)
             state.setdefault(section, {})[name] = torch.empty(size, dtype=torch.uint8)
         state["step"] = torch.zeros((), dtype=torch.int64)
-        dcp.load(state, checkpoint_id=str(path))
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
+        except CheckpointException as exc:  # a BaseException wrapping each rank's failure: one message
+            from magistral_cli.checkpoint.dcp_to_hf import _unwrap
+
+            raise _unwrap(exc, path) from None
 
         set_model_state_dict(self.model, state["model"])
         if optim_sd is not None:
@@ -415,14 +476,36 @@ class Trainer:
         if self.cp_rank:
             loss_sum = torch.zeros_like(loss_sum)
         grad_norm, global_loss_sum = grad_norm_and_sums(self.trainable, loss_sum, group=self.fsdp_group)
-        clip_grads_(self.trainable, self.recipe.training.clip_grad, grad_norm)
-        self.optimizer.step()
+        # The one host synchronisation of a step: a non-finite loss or gradient norm must stop
+        # (or skip) the step before AdamW writes NaN into the weights and the moments. Both
+        # values are all-reduced, so every rank takes the same branch.
+        finite = bool(torch.isfinite(torch.stack([grad_norm, global_loss_sum])).all())
+        skipped = False
+        if not finite:
+            self._non_finite(grad_norm, global_loss_sum, lr)
+            skipped = True
+        else:
+            clip_grads_(self.trainable, self.recipe.training.clip_grad, grad_norm)
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return {"grad_norm": grad_norm, "global_loss_sum": global_loss_sum, "lr": lr}
+        return {"grad_norm": grad_norm, "global_loss_sum": global_loss_sum, "lr": lr, "skipped": skipped}
+
+    def _non_finite(self, grad_norm: torch.Tensor, loss_sum: torch.Tensor, lr: float) -> None:
+        """Stop the run at a non-finite step (exit 1), or log it when ``training.skip_nonfinite_steps``."""
+        step = self.step + 1
+        what = f"step {step}: loss sum {float(loss_sum)}, gradient norm {float(grad_norm)} (lr {lr:g})"
+        if not self.recipe.training.skip_nonfinite_steps:
+            raise CheckFailed(
+                f"{what} is not finite; the update was not applied and no checkpoint was written after it. "
+                "Lower training.lr or check the data; training.skip_nonfinite_steps=true skips such steps instead"
+            )
+        self.skipped_steps = getattr(self, "skipped_steps", 0) + 1
+        if self.rank == 0:
+            log.warning("%s is not finite: update skipped (training.skip_nonfinite_steps)", what)
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
-        """One optimizer step; returns device tensors and the lr (no host synchronisation)."""
+        """One optimizer step; returns device tensors and the lr (one host synchronisation: the finiteness check)."""
         out = self.forward_backward(micro_batches)
         out.update(self.optimizer_step(out["loss_sum"]))
         return out
@@ -439,6 +522,8 @@ class Trainer:
             "tokens": tokens,
             "tokens_per_s": None,
         }
+        if out.get("skipped"):
+            record["skipped"] = True
         record.update(memory_stats(self.device_type))
         return record
 
@@ -447,6 +532,8 @@ class Trainer:
         training, tools = self.recipe.training, self.recipe.tools
         is_rank0 = self.rank == 0
         metrics = MetricsFile(self.run_dir / "metrics.jsonl", resume_step=self.step) if is_rank0 else None
+        if metrics is not None and metrics.moved_aside is not None:
+            log.warning("metrics.jsonl lines after step %d moved to %s", self.step, metrics.moved_aside)
         progress = Progress(training.train_iters, self.step, enabled=is_rank0)
         profiler = StepProfiler(tools.profile, self.run_dir, self.rank, self.device_type)
         mem_profiler = MemoryProfiler(tools.memory_profile, self.run_dir, self.rank, self.device_type)

@@ -105,6 +105,22 @@ def _local_slices(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]
     return tensor, tuple(slice(0, s) for s in tensor.shape)
 
 
+def _require_floating(path: Path, key: str, dtype, where: str) -> None:
+    """Refuse a model tensor that is not floating point (safetensors ``I32``, torch ``int32``, a
+    non-tensor DCP entry): copying it into a float parameter would cast it silently, and a run
+    would train from garbage (an int32 lm_head gave a step-1 loss of ln(vocab))."""
+    name = str(dtype).removeprefix("torch.")
+    if isinstance(dtype, torch.dtype):
+        floating = dtype.is_floating_point
+    else:  # a safetensors dtype name: F16, BF16, F32, F64, F8_E4M3, ...
+        floating = name == "BF16" or name.startswith("F")
+    if not floating:
+        raise UserError(
+            f"cannot load {path}: {key} is {name} in {where}; model weights must be floating point "
+            "(the file holds something else than this model's weights)"
+        )
+
+
 def _hf_weight_map(path: Path) -> dict[str, str]:
     """source key -> file name."""
     index = path / INDEX_FILE
@@ -142,6 +158,7 @@ def load_hf(model: nn.Module, path: Path, strict: bool) -> LoadReport:
             with safe_open(str(path / fname), framework="pt") as f:
                 for key in keys:
                     source = f.get_slice(by_key[key][0])
+                    _require_floating(path, key, source.get_dtype(), fname)
                     if tuple(source.get_shape()) != tuple(targets[key].shape):
                         problems.append(
                             f"{key}: shape {tuple(source.get_shape())} in {fname}, {tuple(targets[key].shape)} in the model"
@@ -168,13 +185,14 @@ def dcp_model_prefix(keys: set[str]) -> str:
 def load_dcp(model: nn.Module, path: Path, strict: bool) -> LoadReport:
     """Read the model tensors of a DCP directory (any of our layouts) into the model's local shards."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from magistral_cli.checkpoint.safe_dcp import SafeFileSystemReader
 
     if not is_dcp_dir(path) and is_dcp_dir(path / "release"):
         path = path / "release"
     report = LoadReport(source=str(path), fmt="dcp")
-    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
     prefix = dcp_model_prefix(set(metadata))
     source_keys = {k[len(prefix) :] for k in metadata if k.startswith(prefix)}
     if prefix:
@@ -184,13 +202,16 @@ def load_dcp(model: nn.Module, path: Path, strict: bool) -> LoadReport:
     problems = []
     for key, tensor in targets.items():
         meta = metadata.get(prefix + key)
+        if meta is not None:
+            dtype = meta.properties.dtype if isinstance(meta, TensorStorageMetadata) else "a non-tensor entry"
+            _require_floating(path, key, dtype, ".metadata")
         if isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(tensor.shape):
             problems.append(
                 f"{key}: shape {tuple(meta.size)} in the checkpoint, {tuple(tensor.shape)} in the model"
             )
     _check_keys(report, list(targets), source_keys, strict, problems)
     wanted = {prefix + k: v for k, v in targets.items() if k in source_keys}
-    dcp.load(wanted, checkpoint_id=str(path))
+    dcp.load(wanted, storage_reader=SafeFileSystemReader(str(path)))
     report.loaded = len(wanted)
     return report
 

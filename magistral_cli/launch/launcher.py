@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -58,6 +59,10 @@ class LaunchPlan:
     env_added: dict[str, str]
     env_kept: dict[str, str]
     warnings: list[str] = field(default_factory=list)
+    #: The memory plan (``engine.memory_plan.MemoryPlan``), None when a dry run could not make it.
+    memory: Any = None
+    #: The run directory's lock (``run_lock.RunLock``), held from planning to the job's end.
+    lock: Any = None
 
     @property
     def command_line(self) -> str:
@@ -77,6 +82,7 @@ class LaunchPlan:
             "env_added": self.env_added,
             "env_kept_from_user": self.env_kept,
             "warnings": self.warnings,
+            "memory_plan": self.memory.to_json() if self.memory is not None else None,
         }
 
     def render(self, console) -> None:
@@ -93,6 +99,154 @@ class LaunchPlan:
             console.print(f"[bold]env[/]            {key}={value} [dim](yours, kept)[/]")
         console.print("[bold]command[/]")
         console.print(self.command_line, soft_wrap=True, markup=False)
+        if self.memory is not None and self.lock is None:
+            render_memory_plan(self.memory, console)  # the dry run: the whole table
+        elif self.memory is not None:
+            from magistral_cli.engine.memory_plan import GIB
+
+            console.print(
+                f"[bold]memory plan[/]    {self.memory.device_peak / GIB:.2f} GiB per rank on the device, "
+                f"{self.memory.host_peak / GIB:.2f} GiB on the host (--dry-run shows the items)"
+            )
+
+
+def render_memory_plan(plan, console) -> None:
+    """The memory plan as a table: one row per item, then the peak per rank (device and host)."""
+    from rich.table import Table
+
+    from magistral_cli.engine.memory_plan import GIB, PHASES
+
+    counts = plan.parameters
+    console.print(
+        f"[bold]parameters[/]     {counts['total']:,} total, {counts['trainable']:,} trainable, "
+        f"{counts['frozen']:,} frozen"
+    )
+    s = plan.settings
+    table = Table(
+        title=f"memory plan per rank (world size {s.world_size}, micro-batch {s.micro_batch_size} x "
+        f"{s.cutoff_len} tokens, accumulation {s.gradient_accumulation_steps})",
+        title_justify="left",
+    )
+    table.add_column("item")
+    table.add_column("where")
+    table.add_column("GiB", justify="right")
+    table.add_column("alive", no_wrap=True)
+    table.add_column("how", overflow="fold")
+    for item in plan.items:
+        if item.bytes == 0:
+            continue
+        alive = "".join(mark if ph in item.phases else "-" for ph, mark in zip(PHASES, "LBS", strict=True))
+        table.add_row(item.name, item.where, f"{item.bytes / GIB:.2f}", alive, item.formula)
+    console.print(table)
+    console.print("[dim]alive: L loss (start of backward), B end of backward, S optimizer step[/]")
+    phases = ", ".join(f"{name} {value / GIB:.2f}" for name, value in plan.phases.items())
+    console.print(f"[bold]device phases[/]  {phases} GiB")
+    device = f"{plan.device_peak / GIB:.2f} GiB on the device ({plan.peak_phase})"
+    if s.device_memory_bytes:
+        device += f" of {s.device_memory_bytes / GIB:.1f} GiB ({s.device_memory_source})"
+    host = f"{plan.host_peak / GIB:.2f} GiB on the host"
+    if s.nproc_per_node > 1:
+        host += f" ({plan.host_peak * s.nproc_per_node / GIB:.2f} GiB per node)"
+    console.print(f"[bold]peak per rank[/]  {device}, {host}")
+    for note in plan.notes:
+        console.print(f"[dim]{note}[/]")
+
+
+def _memory_plan(
+    recipe: Recipe,
+    device: str,
+    world_size: int,
+    nproc: int,
+    detected: bool,
+    warnings: list[str],
+    required: bool = False,
+):
+    """The memory plan, or None (with a warning) when the model's config.json is not here.
+
+    A dry run (often made on another machine) may lack the config; a launch (``required``) may
+    not. A config that is there but unreadable, or a module pattern that matches nothing, is the
+    user's error (UserError) like any other bad input.
+    """
+    model_dir = recipe.model.model_name_or_path
+    if not model_dir or not (Path(model_dir) / "config.json").is_file():
+        if required:
+            raise UserError(
+                f"model.model_name_or_path {model_dir} holds no config.json; point it at the model directory "
+                "(magistral fetch writes one)"
+            )
+        warnings.append(
+            f"no memory plan: model.model_name_or_path {model_dir} holds no config.json "
+            "(magistral fetch --no-weights writes one)"
+        )
+        return None
+    from magistral_cli.engine.memory_plan import plan_recipe
+
+    plan = plan_recipe(recipe, device=device, world_size=world_size, nproc_per_node=nproc, detected=detected)
+    warnings.extend(plan.warnings)
+    return plan
+
+
+def checkpoint_bytes(recipe: Recipe, memory) -> int:
+    """The size of one training checkpoint: fp32 parameters, AdamW's two fp32 moments (unless
+    ``no_save_optim``); the RNG and data-loader entries are a few KiB."""
+    counts = memory.parameters
+    size = 4 * counts["total"]
+    if not recipe.training.no_save_optim:
+        size += 8 * counts["trainable"]
+    return size
+
+
+def planned_saves(training) -> int:
+    """How many checkpoints a whole run writes: every ``save_interval`` steps and at the end."""
+    if not training.save_interval:
+        return 0
+    return training.train_iters // training.save_interval + (
+        1 if training.train_iters % training.save_interval else 0
+    )
+
+
+def _check_save_dir(
+    recipe: Recipe, save_dir: Path, memory, warnings: list[str], options: LaunchOptions
+) -> None:
+    """Stale temporaries removed, no fresh start over checkpoints, writable, room for the saves."""
+    import shutil
+
+    from magistral_cli.engine import checkpoint as ckpt
+
+    training = recipe.training
+    existing = ckpt.list_checkpoints(save_dir)
+    if training.resume == "never" and existing:
+        raise UserError(
+            f"training.resume=never, but {save_dir} holds checkpoints "
+            f"({', '.join(p.name for _, p in existing[:5])}); a fresh start would overwrite them. "
+            "Use a new training.output_dir (or training.save), or training.resume=auto to continue"
+        )
+    if options.dry_run or options.node_rank != 0:
+        return
+    for stale in ckpt.remove_stale_temporaries(save_dir):
+        warnings.append(f"removed {stale}, left by an interrupted checkpoint save")
+    probe_dir = save_dir
+    while not probe_dir.exists():
+        probe_dir = probe_dir.parent
+    if not os.access(probe_dir, os.W_OK | os.X_OK):
+        raise UserError(
+            f"{probe_dir} is not writable; set training.output_dir (or training.save) to a writable place"
+        )
+    saves = max(planned_saves(training) - len(existing), 0)
+    if memory is None or not saves:
+        return
+    need = saves * checkpoint_bytes(recipe, memory)
+    free = shutil.disk_usage(probe_dir).free
+    if need > free:
+        raise UserError(
+            f"{probe_dir} has {_size(free)} free, but the run will write {saves} checkpoint(s) of "
+            f"{_size(need // saves)} ({_size(need)}); free space, point training.save at a larger disk, "
+            "or save less often (training.save_interval, training.no_save_optim)"
+        )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _default_run_dir(recipe_path: Path) -> Path:
@@ -106,8 +260,9 @@ def _check_paths(recipe: Recipe, warnings: list[str], dry_run: bool) -> None:
     checks = [
         ("model.model_name_or_path", recipe.model.model_name_or_path, "is_dir"),
         ("training.load", recipe.training.load, "exists"),
-        ("data.dataset_param.basic_parameters.dataset", basic.dataset, "is_file"),
     ]
+    if recipe.data.dataset_param.dataset_type != "synthetic":
+        checks.append(("data.dataset_param.basic_parameters.dataset", basic.dataset, "is_file"))
     problems = []
     for key, value, kind in checks:
         if value and not getattr(Path(value), kind)():
@@ -178,11 +333,38 @@ def plan_launch(recipe_path: str | Path, overrides: list[str], options: LaunchOp
     except ValueError as exc:
         raise UserError(f"recipe {recipe_path}: {exc}") from None
     _check_paths(recipe, warnings, options.dry_run)
+    # Pre-flight in this process, before any rank starts: config.json, the tying rule and every
+    # module pattern against the meta model (the memory plan builds it), then the save directory.
+    detected = warning is None and count is not None
+    memory = _memory_plan(recipe, device, world_size, nproc, detected, warnings, required=not options.dry_run)
 
     run_dir = Path(recipe.training.output_dir or _default_run_dir(recipe_path)).absolute()
-    recipe.training.output_dir = str(run_dir)
+    # Before anything is written there: a job running in this directory keeps its files.
+    from magistral_cli.run_lock import RunLock
+
     recipe.parallel.device = device  # type: ignore[assignment]
     recipe.parallel.nproc_per_node = nproc
+    lock = RunLock(run_dir, options.node_rank).acquire()
+    try:
+        plan = _write_run_dir(recipe, recipe_path, overrides, options, run_dir, memory, warnings)
+        plan.device, plan.nproc_per_node, plan.world_size = device, nproc, world_size
+    except BaseException:
+        lock.release()
+        raise
+    if options.dry_run:
+        lock.release()
+    else:
+        plan.lock = lock
+    return plan
+
+
+def _write_run_dir(recipe, recipe_path, overrides, options, run_dir, memory, warnings) -> LaunchPlan:
+    """Check the save directory, write resolved_config.yaml and run_identity.json, encode the data."""
+    device, nproc = recipe.parallel.device, recipe.parallel.nproc_per_node
+    world_size = nproc * options.nnodes
+    save_dir = Path(recipe.training.save) if recipe.training.save else run_dir / "checkpoints"
+    _check_save_dir(recipe, save_dir, memory, warnings, options)
+    recipe.training.output_dir = str(run_dir)
 
     added, kept = merge_env(device_defaults(device, nproc), dict(os.environ))
     command = build_command(options, nproc, run_dir)
@@ -204,6 +386,12 @@ def plan_launch(recipe_path: str | Path, overrides: list[str], options: LaunchOp
         env={**os.environ, **added},
     )
     write_json(run_dir / "run_identity.json", identity)
+    if not options.dry_run and recipe.data.dataset_param.dataset_type != "synthetic":
+        # Encode (or find the cache) here, once, so that no rank waits in a barrier while
+        # rank 0 encodes: a long encode would outlast the collective timeout.
+        from magistral_cli.data.loader import prepare_dataset
+
+        prepare_dataset(recipe, show_progress=True)
     return LaunchPlan(
         recipe=recipe,
         recipe_path=recipe_path,
@@ -216,42 +404,152 @@ def plan_launch(recipe_path: str | Path, overrides: list[str], options: LaunchOp
         env_added=added,
         env_kept=kept,
         warnings=warnings,
+        memory=memory,
     )
 
 
-def run_launch(plan: LaunchPlan, console) -> int:
-    """Run torchrun; return its exit status (non-zero when any rank failed).
+#: torchrun's own report of a failed rank starts with one of these (its log line or its traceback).
+_TORCHRUN_FAILURE = re.compile(r"^(E\d{4} .*\] failed \(exitcode|Traceback \(most recent call last\):)")
+#: How many lines of a crashed rank's log the failure report shows.
+LOG_TAIL = 15
 
-    Ctrl-C reaches torchrun directly (same process group); a SIGTERM sent to this process is
-    passed on to torchrun, which stops its ranks, so no rank outlives the command.
+
+def _forward_stderr(stream, failure_log: Path) -> None:
+    """Copy torchrun's stderr to ours until its failure report starts; keep that report in a file."""
+    out = None
+    try:
+        for line in stream:
+            if out is None and _TORCHRUN_FAILURE.match(line):
+                out = open(failure_log, "w", encoding="utf-8")  # noqa: SIM115 (closed below)
+            if out is None:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+            else:
+                out.write(line)
+    finally:
+        if out is not None:
+            out.close()
+
+
+def _rank_log(run_dir: Path, rank: int) -> Path | None:
+    """The newest ``stderr.log`` torchrun wrote for local rank ``rank``."""
+    logs = sorted((run_dir / "logs").glob(f"*/attempt_*/{rank}/stderr.log"), key=lambda p: p.stat().st_mtime)
+    return logs[-1] if logs else None
+
+
+def failure_report(run_dir: Path, code: int, nproc: int) -> tuple[list[str], int]:
+    """(lines naming each failed rank with its own error, the command's exit status).
+
+    Exit 2 when every failed rank stopped on a user error (a bad recipe, a bad path), 1 otherwise.
     """
+    from magistral_cli.engine.run import STATUS_DIR
+
+    statuses = {}
+    for path in sorted((run_dir / STATUS_DIR).glob("rank*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            record = json.loads(path.read_text(encoding="utf-8"))
+            statuses[int(record["rank"])] = record
+    failed = {r: s for r, s in statuses.items() if s.get("exit_status")}
+    # Ranks of this node that recorded nothing were killed (a signal, the out-of-memory killer) or
+    # died before start-up: the likeliest cause, so they come first, with their log's last lines.
+    missing = [r for r in range(nproc) if r not in statuses]
+    lines: list[str] = []
+    for rank in missing:
+        lines.append(
+            f"rank {rank} ended without a status (torchrun exit status {code}): killed, out of memory, "
+            "or a crash before start-up"
+        )
+        lines += _log_tail(run_dir, rank)
+    for rank, record in sorted(failed.items()):
+        error = str(record.get("error"))
+        if len(error) > 400:
+            error = error[:400] + " ..."
+        if record.get("kind") in ("user", "check"):
+            lines.append(f"rank {rank} failed: {error}")
+        else:
+            lines.append(f"rank {rank} crashed: {error}")
+            if not missing and rank < nproc:
+                lines += _log_tail(run_dir, rank)
+    if not lines:
+        lines.append(f"torchrun exit status {code}, but every rank recorded success")
+    status = 2 if failed and not missing and all(s.get("kind") == "user" for s in failed.values()) else 1
+    return lines, status
+
+
+def _log_tail(run_dir: Path, local_rank: int) -> list[str]:
+    log = _rank_log(run_dir, local_rank)
+    if log is None:
+        return []
+    tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-LOG_TAIL:]
+    return [f"  {line}" for line in tail]
+
+
+def run_launch(plan: LaunchPlan, console, node_rank: int = 0) -> int:
+    """Run torchrun; return the job's exit status (non-zero when any rank failed).
+
+    The run directory is locked for the job (``magistral_cli.run_lock``): a second launch on it
+    exits 2. Ctrl-C reaches torchrun directly (same process group); a SIGTERM sent to this
+    process is passed on to torchrun, which stops its ranks, and the ranks die with torchrun, so
+    no rank outlives the command. A failed job prints which rank failed with that rank's own
+    error lines; torchrun's traceback goes to ``logs/torchrun_failure.log``.
+    """
+    import shutil
+    import threading
+
+    from magistral_cli.engine.run import STATUS_DIR
+    from magistral_cli.errors import CheckFailed
+    from magistral_cli.run_lock import RunLock
+
     env = {**os.environ, **plan.env_added}
     summary = plan.run_dir / "summary.json"
-    # A summary left by an earlier launch into this run directory (a resume) would describe that launch.
-    summary.unlink(missing_ok=True)
-    start = time.monotonic()
-    child = subprocess.Popen(plan.command, env=env)
-
-    def _forward(signum, _frame):
-        child.send_signal(signum)
-
-    previous = signal.signal(signal.SIGTERM, _forward)
+    failure_log = plan.run_dir / "logs" / "torchrun_failure.log"
+    lock = plan.lock or RunLock(plan.run_dir, node_rank).acquire()
     try:
-        while True:
-            try:
-                code = child.wait()
-                break
-            except KeyboardInterrupt:
-                continue  # torchrun got the same SIGINT and is stopping its ranks: wait for it
+        # A summary or rank statuses left by an earlier launch into this run directory (a resume)
+        # would describe that launch.
+        summary.unlink(missing_ok=True)
+        shutil.rmtree(plan.run_dir / STATUS_DIR, ignore_errors=True)
+        failure_log.unlink(missing_ok=True)
+        start = time.monotonic()
+        child = subprocess.Popen(plan.command, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+        reader = threading.Thread(target=_forward_stderr, args=(child.stderr, failure_log), daemon=True)
+        reader.start()
+
+        def _forward(signum, _frame):
+            child.send_signal(signum)
+
+        previous = signal.signal(signal.SIGTERM, _forward)
+        try:
+            while True:
+                try:
+                    code = child.wait()
+                    break
+                except KeyboardInterrupt:
+                    continue  # torchrun got the same SIGINT and is stopping its ranks: wait for it
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        reader.join(timeout=10)
+        status = code
+        lines: list[str] = []
+        if code != 0:
+            lines, status = failure_report(plan.run_dir, code, plan.nproc_per_node)
+        record = {"steps": None, "wall_s": round(time.monotonic() - start, 3), "exit_status": status}
+        if summary.exists():
+            with contextlib.suppress(ValueError, OSError):
+                record = {**json.loads(summary.read_text(encoding="utf-8")), "exit_status": status}
+        # The engine writes summary.json when it finishes; the launcher records how the whole job
+        # ended (a rank can fail after rank 0 wrote its summary).
+        try:
+            write_json(summary, record)
+        except CheckFailed as exc:
+            lines.append(str(exc))
+            status = status or 1
     finally:
-        signal.signal(signal.SIGTERM, previous)
-    record = {"steps": None, "wall_s": round(time.monotonic() - start, 3), "exit_status": code}
-    if summary.exists():
-        with contextlib.suppress(ValueError):
-            record = {**json.loads(summary.read_text(encoding="utf-8")), "exit_status": code}
-    # The engine writes summary.json when it finishes; the launcher records how the whole job ended
-    # (a rank can fail after rank 0 wrote its summary).
-    write_json(summary, record)
-    if code != 0:
-        console.print(f"[red]training failed[/] (exit status {code}); per-rank logs: {plan.run_dir / 'logs'}")
-    return code
+        lock.release()
+        plan.lock = None
+    if status != 0:
+        console.print(f"[red]training failed[/] (exit status {status})", highlight=False)
+        for line in lines:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+        console.print(f"per-rank logs: {plan.run_dir / 'logs'}", markup=False, highlight=False)
+    return status

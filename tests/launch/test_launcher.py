@@ -186,30 +186,117 @@ def test_credentials_are_never_recorded():
 
 
 @pytest.mark.slow
-def test_a_failing_rank_fails_the_command(tmp_path):
-    """A real torchrun launch whose ranks fail: the launcher returns their non-zero status."""
-    model = tmp_path / "model"
-    model.mkdir()  # no config.json and no weights: the engine cannot start
-    data = tmp_path / "llava.json"
-    data.write_text("[]")
-    overrides = [
-        f"data.dataset_param.preprocess_parameters.model_name_or_path={model}",
+class _Lines:
+    """A console that keeps what the launcher prints."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def print(self, *args, **kwargs):
+        self.lines.append(" ".join(str(a) for a in args))
+
+
+def _tiny_overrides(tmp_path: Path, model: Path, load: Path) -> list[str]:
+    return [
         f"model.model_name_or_path={model}",
-        f"training.load={model}",
-        f"data.dataset_param.basic_parameters.dataset={data}",
-        f"data.dataset_param.basic_parameters.dataset_dir={tmp_path}",
-        f"data.dataset_param.basic_parameters.cache_dir={tmp_path / 'cache'}",
+        f"training.load={load}",
+        "data.dataset_param.dataset_type=synthetic",
+        "training.train_iters=2",
         f"training.output_dir={tmp_path / 'run'}",
     ]
-    plan = plan_launch(TINY, overrides, LaunchOptions(nproc_per_node=1))
 
-    class _Quiet:
-        def print(self, *args, **kwargs):
-            pass
 
-    code = run_launch(plan, _Quiet())
-    assert code != 0
+def test_pre_flight_stops_a_bad_model_directory_before_any_rank_starts(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()  # no config.json: the engine could not start
+    with pytest.raises(UserError, match="holds no config.json"):
+        plan_launch(TINY, _tiny_overrides(tmp_path, model, model), LaunchOptions(nproc_per_node=1))
+    assert not (tmp_path / "run" / "logs").exists(), "torchrun must not have started"
+
+
+@pytest.mark.slow
+def test_a_failing_rank_is_named_with_its_own_error(tmp_path):
+    """A rank's user error (weights of another model): exit 2 and that rank's message, not torchrun's traceback."""
+    from magistral_cli.testing.tiny_model import build_tiny_model, save_official_checkpoint, tiny_mistral3_config
+
+    for name, vocab in (("model", 512), ("other", 256)):
+        save_official_checkpoint(build_tiny_model(tiny_mistral3_config(vocab_size=vocab)), tmp_path / name)
+    plan = plan_launch(
+        TINY, _tiny_overrides(tmp_path, tmp_path / "model", tmp_path / "other"), LaunchOptions(nproc_per_node=2)
+    )
+    console = _Lines()
+    code = run_launch(plan, console)
+    assert code == 2
+    report = "\n".join(console.lines)
+    assert "rank 0 failed: cannot load" in report and "the checkpoint belongs to another model config" in report
+    assert "Traceback" not in report
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["exit_status"] == code
-    logs = list((tmp_path / "run" / "logs").rglob("*.log"))
-    assert logs, "torchrun wrote no per-rank log"
+    assert summary["exit_status"] == 2
+    assert "ChildFailedError" in (tmp_path / "run" / "logs" / "torchrun_failure.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_killed_rank_exits_1_with_its_log_tail(tmp_path, monkeypatch):
+    from magistral_cli.engine.checkpoint import FAULT_ENV
+    from magistral_cli.testing.tiny_model import build_tiny_model, save_official_checkpoint, tiny_mistral3_config
+
+    save_official_checkpoint(build_tiny_model(tiny_mistral3_config(vocab_size=512)), tmp_path / "model")
+    overrides = [*_tiny_overrides(tmp_path, tmp_path / "model", tmp_path / "model"), "training.save_interval=1"]
+    monkeypatch.setenv(FAULT_ENV, "kill-during-save:1:0")
+    plan = plan_launch(TINY, overrides, LaunchOptions(nproc_per_node=2))
+    console = _Lines()
+    assert run_launch(plan, console) == 1
+    report = "\n".join(console.lines)
+    assert "ended without a status" in report and "fault injection: killing rank 0" in report
+
+
+def test_the_trainer_adds_its_resolved_choices_to_the_launchers_identity(machine_paths):
+    """record_resolved keeps what the launcher wrote and adds the device-side choices under "resolved"."""
+    from magistral_cli.launch.identity import record_resolved
+
+    plan = plan_launch(EIGHT_CARD, machine_paths["overrides"], LaunchOptions(dry_run=True))
+    path = plan.run_dir / "run_identity.json"
+    launched = json.loads(path.read_text())
+    choice = {"implementation": "foreach", "reason": "training.adam_fused is false"}
+    assert record_resolved(plan.run_dir, adamw=choice) == path
+    record_resolved(plan.run_dir, attention="sdpa")
+    assert json.loads(path.read_text()) == {**launched, "resolved": {"adamw": choice, "attention": "sdpa"}}
+    assert sorted(p.name for p in plan.run_dir.iterdir()) == [
+        ".magistral.lock",  # the run directory's lock file (free after a dry run)
+        "logs",
+        "resolved_config.yaml",
+        "run_identity.json",
+    ]
+
+    with pytest.raises(TypeError):  # not JSON: the file on disk is left as it was
+        record_resolved(plan.run_dir, bad=object())
+    assert json.loads(path.read_text())["resolved"] == {"adamw": choice, "attention": "sdpa"}
+    path.write_text("{half")
+    with pytest.raises(UserError, match="is not valid JSON"):
+        record_resolved(plan.run_dir, adamw=choice)
+
+
+def test_the_dry_run_json_carries_a_memory_plan_when_the_config_is_there(machine_paths):
+    """Without config.json the plan is skipped with a warning; with the real one it joins the JSON."""
+    no_config = runner.invoke(
+        app, ["train", str(EIGHT_CARD), *machine_paths["overrides"], "--dry-run", "--json"]
+    )
+    assert no_config.exit_code == 0, no_config.output
+    skipped = json.loads(no_config.stdout)
+    assert skipped["memory_plan"] is None
+    assert any("no memory plan" in w and "config.json" in w for w in skipped["warnings"])
+
+    config = REPO / "tests" / "fixtures" / "magistral-small-2509" / "config.json"
+    (machine_paths["model"] / "config.json").write_text(config.read_text())
+    result = runner.invoke(
+        app, ["train", str(EIGHT_CARD), *machine_paths["overrides"], "--dry-run", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["world_size"] == 8 and out["command"] == skipped["command"]  # the existing keys are unchanged
+    plan = out["memory_plan"]
+    assert plan["parameters"]["total"] == plan["parameters"]["trainable"] + plan["parameters"]["frozen"]
+    memory = plan["memory"]
+    assert set(memory["items"]) >= {"parameter_shards", "gradient_shards", "optimizer_states", "loss_logits"}
+    assert memory["per_rank_device_gib"] == max(memory["phases_gib"].values())
+    assert memory["per_rank_host_gib"] >= 0
