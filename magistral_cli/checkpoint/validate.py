@@ -231,13 +231,19 @@ def resolve_dcp_checkpoint(dcp_dir: str | Path) -> Path:
         return path
     if (path / MEGATRON_RELEASE_DIR / DCP_METADATA).is_file():
         return path / MEGATRON_RELEASE_DIR
-    latest = path / "latest"
-    if latest.is_file():
-        name = latest.read_text(encoding="utf-8").strip()
-        target = (path / name) if name else path
-        if (target / DCP_METADATA).is_file():
-            return target
-        raise UserError(f"{latest} names {name!r}, which holds no complete DCP checkpoint ({DCP_METADATA})")
+    from magistral_cli.engine.checkpoint import latest_name, list_checkpoints
+
+    name, problem = latest_name(path)
+    if name is not None and (path / name / DCP_METADATA).is_file():
+        return path / name
+    complete = [p for _, p in list_checkpoints(path) if (p / DCP_METADATA).is_file()]
+    if complete:
+        # latest is missing, names something else, or points outside: the newest step_N instead.
+        return complete[0]
+    if (path / "latest").exists() and (problem or name is not None):
+        raise UserError(
+            f"{path}: {problem or f'latest names {name}, which holds no complete DCP checkpoint ({DCP_METADATA})'}"
+        )
     raise UserError(
         f"{path} holds no DCP checkpoint: no {DCP_METADATA} there, in {MEGATRON_RELEASE_DIR}/, "
         "or behind a `latest` file"

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from . import template
-from .pixtral import ImageSettings, image_token_ids, open_image_size, plan_image
+from .pixtral import ImageSettings, ImageSizeError, image_token_ids, open_image_size, plan_image
 from .readers import Conversation, Drop, RecordFormat, RowSource, iter_segments, normalize_record
 from .tokenizer import SpecialIds, TekkenTokenizer
 
@@ -98,6 +98,12 @@ def truncate_pairs(
     return input_ids, labels
 
 
+#: Part of the cache fingerprint: bump it when the same inputs would encode differently, so that
+#: entries written before are not reused. 2: an image side never resolves to 0 tokens (a 1x5000
+#: image was kept with image_sizes [1540, 0]); JSON Lines are split on bytes, not at U+2028.
+ENCODER_REVISION = 2
+
+
 class Encoder:
     """Encodes dataset rows; one per process (it holds the tokenizer)."""
 
@@ -119,12 +125,19 @@ class Encoder:
     # -- images --------------------------------------------------------------------------------
     def _image_size(self, path: str) -> tuple[int, int] | Drop:
         if not Path(path).is_file():
+            if Path(path).is_dir():
+                return Drop("unreadable_image", f"{path} is a directory, not an image file")
+            if Path(path).exists():
+                return Drop("unreadable_image", f"{path} is not a regular file")
             return Drop("missing_image", f"{path} does not exist")
         try:
             width, height = open_image_size(path)
-            plan = plan_image(width, height, self.settings)
         except Exception as exc:  # PIL raises many kinds (UnidentifiedImageError, OSError, SyntaxError)
             return Drop("unreadable_image", f"{path}: {type(exc).__name__}: {exc}")
+        try:
+            plan = plan_image(width, height, self.settings)
+        except ImageSizeError as exc:
+            return Drop("unusable_image_size", f"{path}: {exc}")
         return plan.height, plan.width
 
     # -- rows ----------------------------------------------------------------------------------

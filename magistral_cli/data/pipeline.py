@@ -19,7 +19,7 @@ from pathlib import Path
 from magistral_cli.errors import CheckFailed, UserError
 
 from . import cache as cache_mod
-from .encoder import EncodedSample, EncodeParams, Encoder
+from .encoder import ENCODER_REVISION, EncodedSample, EncodeParams, Encoder
 from .pixtral import ImageSettings, load_image_settings
 from .readers import Drop, RecordFormat, RowSource, read_rows
 from .report import build_report
@@ -158,6 +158,7 @@ def plan_preprocess(recipe, *, overwrite: bool | None = None) -> PreprocessPlan:
         "model_files": model_files,
         "image_settings": settings.fingerprint_fields(),
         "encode": params.__dict__,
+        "encoder_revision": ENCODER_REVISION,
         "template": basic.template,
         "format": fmt.fingerprint_fields(),
         "max_samples": basic.max_samples,

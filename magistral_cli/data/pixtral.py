@@ -133,26 +133,39 @@ def load_image_settings(model_dir: str | Path, min_pixels: int, max_pixels: int)
 
 
 def limit_pixels(width: int, height: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """LLaMA-Factory's pixel limits: scale down above ``max_pixels``, up below ``min_pixels``."""
+    """LLaMA-Factory's pixel limits: scale down above ``max_pixels``, up below ``min_pixels``.
+
+    A side never scales below 1 pixel: LLaMA-Factory would ask Pillow for a 0-pixel image
+    (an error) where a very thin image (1 x 300000) is scaled down.
+    """
     if width * height > max_pixels:
         factor = math.sqrt(max_pixels / (width * height))
-        width, height = int(width * factor), int(height * factor)
+        width, height = max(1, int(width * factor)), max(1, int(height * factor))
     if width * height < min_pixels:
         factor = math.sqrt(min_pixels / (width * height))
-        width, height = int(width * factor), int(height * factor)
+        width, height = max(1, int(width * factor)), max(1, int(height * factor))
     return width, height
 
 
 def pixtral_size(width: int, height: int, longest_edge: int, token_pixels: int) -> tuple[int, int]:
-    """The Pixtral processor's output (height, width): fit ``longest_edge``, round up to the token size."""
+    """The Pixtral processor's output (height, width): fit ``longest_edge``, round up to the token size.
+
+    Each side keeps at least one pixel, hence one token, as mistral-common's ``ImageEncoder``
+    clamps (``max(round(w / ratio), 1)``): without it a 1 x 5000 image fitted to 1540 pixels
+    has a 0-pixel side, so 0 ``[IMG]`` tokens, and the vision tower fails on it in training.
+    """
     ratio = max(height / longest_edge, width / longest_edge)
     if ratio > 1:
         # floor, not round: the result must not exceed longest_edge (transformers does the same)
-        height = int(math.floor(height / ratio))
-        width = int(math.floor(width / ratio))
+        height = max(1, int(math.floor(height / ratio)))
+        width = max(1, int(math.floor(width / ratio)))
     rows = (height - 1) // token_pixels + 1
     cols = (width - 1) // token_pixels + 1
     return rows * token_pixels, cols * token_pixels
+
+
+class ImageSizeError(ValueError):
+    """An image whose size cannot be turned into image tokens (a reason to drop its row)."""
 
 
 @dataclass(frozen=True)
@@ -165,13 +178,18 @@ class ImagePlan:
 
 
 def plan_image(width: int, height: int, settings: ImageSettings) -> ImagePlan:
-    """Sizes an image of ``width`` x ``height`` goes through."""
+    """Sizes an image of ``width`` x ``height`` goes through.
+
+    Raises :class:`ImageSizeError` if the result would have no image token on a side (which
+    the clamping above rules out for any image with pixels): such a sample must be dropped,
+    never kept with ``image_sizes`` that the vision tower cannot take.
+    """
     if width < 1 or height < 1:
-        raise ValueError(f"image has no pixels ({width}x{height})")
+        raise ImageSizeError(f"image has no pixels ({width}x{height})")
     limited = limit_pixels(width, height, settings.min_pixels, settings.max_pixels)
-    if limited[0] < 1 or limited[1] < 1:
-        raise ValueError(f"image {width}x{height} is too thin to resize within the pixel limits")
     h, w = pixtral_size(limited[0], limited[1], settings.longest_edge, settings.token_pixels)
+    if h < settings.token_pixels or w < settings.token_pixels:
+        raise ImageSizeError(f"image {width}x{height} resizes to {h}x{w}, less than one image token a side")
     return ImagePlan(limited, h, w)
 
 

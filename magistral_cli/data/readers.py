@@ -30,6 +30,7 @@ IMAGE_PLACEHOLDER = "<image>"
 #: Why a row was dropped (the keys of the report's "dropped" table).
 DROP_REASONS = {
     "invalid_json": "the line is not valid JSON",
+    "invalid_utf8": "the line is not valid UTF-8 (or its text holds an unpaired \\ud800-style surrogate escape)",
     "invalid_record": "the record does not have the expected columns or types",
     "unknown_role": "a message has a role that the attr mapping does not know",
     "unsupported_role": "a message role the mistral template cannot encode (tool calls)",
@@ -39,7 +40,8 @@ DROP_REASONS = {
     "image_count_mismatch": "the number of <image> placeholders differs from the number of images",
     "image_in_assistant_turn": "an <image> placeholder is inside an assistant turn",
     "missing_image": "an image file does not exist",
-    "unreadable_image": "an image file cannot be decoded",
+    "unreadable_image": "an image path is a directory or a file that cannot be decoded as an image",
+    "unusable_image_size": "an image's size gives no image token on a side",
     "unsupported_video": "the record has videos (not supported for Magistral)",
     "image_tokens_truncated": "cutoff_len would cut the sample inside image tokens",
     "no_label_tokens": "after truncation no token is left to train on",
@@ -70,23 +72,45 @@ class RowSource:
     index: int
     record: Any = None
     error: str | None = None
+    error_reason: str = "invalid_json"  # the drop reason of ``error`` (a DROP_REASONS key)
+
+
+_BOM = b"\xef\xbb\xbf"
+
+
+def _utf8_error(exc: UnicodeDecodeError, base: int) -> str:
+    """Where the undecodable bytes are: the byte offset in the file and the bytes themselves."""
+    return f"byte offset {base + exc.start} is not valid UTF-8 ({exc.object[exc.start : exc.start + 4]!r})"
 
 
 def read_rows(path: str | Path, max_samples: int | None = None) -> list[RowSource]:
     """Rows of a JSON array or JSON Lines file (the format is sniffed from the first character).
 
-    A JSON array that does not parse is an error for the whole file (there are no rows to
-    keep); in JSON Lines each bad line becomes a row that is dropped as ``invalid_json``.
+    A JSON array that does not parse (or decode as UTF-8) is an error for the whole file:
+    there are no rows to keep. In JSON Lines each bad line becomes a row that is dropped as
+    ``invalid_json`` or ``invalid_utf8``. Lines are split on bytes, before decoding, so that
+    one undecodable line costs only that line; splitting on ``\\n``/``\\r`` only (not str's
+    ``splitlines``) keeps a raw U+2028 inside a JSON string from cutting a record in two.
     """
     path = Path(path)
     if not path.is_file():
         raise UserError(f"dataset not found: {path} (set data.dataset_param.basic_parameters.dataset)")
-    text = path.read_text(encoding="utf-8-sig")
-    stripped = text.lstrip()
+    data = path.read_bytes()
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise UserError(f"{path} is UTF-16 text; convert it to UTF-8 (for example: iconv -f UTF-16 -t UTF-8)")
+    base = len(_BOM) if data.startswith(_BOM) else 0
     rows: list[RowSource] = []
-    if stripped.startswith("["):
+    if data[base:].lstrip().startswith(b"["):
         try:
-            records = json.loads(stripped)
+            text = data[base:].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = data.count(b"\n", 0, base + exc.start) + 1
+            raise UserError(
+                f"{path}: {_utf8_error(exc, base)} (line {line}); a JSON array is read as a whole, so fix or "
+                "remove those bytes, or write one record per line (JSON Lines) so that bad lines are skipped"
+            ) from None
+        try:
+            records = json.loads(text)
         except json.JSONDecodeError as exc:
             raise UserError(
                 f"{path} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
@@ -96,11 +120,21 @@ def read_rows(path: str | Path, max_samples: int | None = None) -> list[RowSourc
             rows.append(RowSource(index, record))
         return rows
     index = 0
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
+    offset = base
+    for lineno, raw in enumerate(data[base:].splitlines(keepends=True), start=1):
+        line_offset, offset = offset, offset + len(raw)
+        if not raw.strip():
             continue
         if max_samples is not None and index >= max_samples:
             break
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            rows.append(
+                RowSource(index, None, f"line {lineno}: {_utf8_error(exc, line_offset)}", "invalid_utf8")
+            )
+            index += 1
+            continue
         try:
             rows.append(RowSource(index, json.loads(line)))
         except json.JSONDecodeError as exc:
@@ -169,7 +203,7 @@ def _resolve_image(path: Any, dataset_dir: Path) -> str | Drop:
 def normalize_record(row: RowSource, fmt: RecordFormat, dataset_dir: Path) -> Conversation | Drop:
     """Turn one record into a :class:`Conversation`, or say why it cannot be used."""
     if row.error is not None:
-        return Drop("invalid_json", row.error)
+        return Drop(row.error_reason, row.error)
     record = row.record
     if not isinstance(record, dict):
         return Drop("invalid_record", f"record is a {type(record).__name__}, not an object")
@@ -250,6 +284,9 @@ def normalize_record(row: RowSource, fmt: RecordFormat, dataset_dir: Path) -> Co
         return Drop(
             "image_count_mismatch", f"{placeholders} <image> placeholder(s) but {len(raw_images)} image(s)"
         )
+    surrogate = _unencodable_text(system, turns)
+    if surrogate is not None:
+        return Drop("invalid_utf8", surrogate)
     images: list[str] = []
     for raw in raw_images:
         resolved = _resolve_image(raw, dataset_dir)
@@ -257,6 +294,24 @@ def normalize_record(row: RowSource, fmt: RecordFormat, dataset_dir: Path) -> Co
             return resolved
         images.append(resolved)
     return Conversation(system=system, turns=turns, images=images)
+
+
+def _unencodable_text(system: str | None, turns: list[tuple[str, str, str]]) -> str | None:
+    """Which text of the conversation UTF-8 cannot encode, if any.
+
+    Valid JSON may escape half of a surrogate pair (``"\\ud800"``); Python keeps it as a lone
+    surrogate, which the tokenizer refuses with a TypeError that would stop the whole batch.
+    Only the texts that get tokenized are checked: other columns are never read.
+    """
+    texts = [("the system prompt", system)] if system else []
+    for n, (_, prompt, response) in enumerate(turns):
+        texts += [(f"prompt {n}", prompt), (f"assistant turn {n}", response)]
+    for where, text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return f"{where} holds an unpaired surrogate {text[exc.start]!r} (a \\u escape of half a pair)"
+    return None
 
 
 def iter_segments(text: str) -> Iterator[str | None]:

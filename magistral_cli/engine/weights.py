@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from magistral_cli.checkpoint.keys import to_transformers_key
+from magistral_cli.checkpoint.keys import DCP_MODEL_PREFIX, to_transformers_key
 from magistral_cli.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -176,9 +176,15 @@ def load_hf(model: nn.Module, path: Path, strict: bool) -> LoadReport:
 
 
 def dcp_model_prefix(keys: set[str]) -> str:
-    """``"model."`` for training checkpoints and the megatron layout, ``""`` for the fsdp2 layout."""
-    if any(k.startswith(("model.model.", "model.lm_head.")) for k in keys):
-        return "model."
+    """The prefix before the transformers keys: ``DCP_MODEL_PREFIX`` of the layout the keys show.
+
+    megatron ``model.model.`` (MindSpeed-MM's wrapper, under ``{"model": ...}``), engine
+    ``model.`` (training checkpoints), fsdp2 ``""``; the longest prefix is tried first.
+    """
+    for layout in ("megatron", "engine"):
+        prefix = DCP_MODEL_PREFIX[layout]
+        if any(k.startswith((prefix + "lm_head.", prefix + "model.language_model.")) for k in keys):
+            return prefix
     return ""
 
 

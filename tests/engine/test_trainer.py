@@ -204,10 +204,13 @@ def test_load_strict_missing_key_fails_before_step_one(tiny, tmp_path):
 def test_loads_fsdp2_and_megatron_dcp_layouts(tiny, tmp_path):
     import torch.distributed.checkpoint as dcp
 
+    from magistral_cli.checkpoint.hf_to_dcp import convert_hf_to_dcp
+
     model_dir, source = tiny
     state = {k: v.clone() for k, v in source.state_dict().items()}
     dcp.save(state, checkpoint_id=str(tmp_path / "fsdp2"), no_dist=True)
-    dcp.save({"model": state}, checkpoint_id=str(tmp_path / "megatron" / "release"), no_dist=True)
+    # The megatron layout as `magistral convert hf-to-dcp --layout megatron` writes it (model.model.* keys).
+    convert_hf_to_dcp(model_dir, tmp_path / "megatron", layout="megatron")
     expected = {n: p.detach() for n, p in source.named_parameters()}
     for layout in ("fsdp2", "megatron"):
         trainer = Trainer(make_recipe(model_dir, tmp_path / f"run-{layout}", load=str(tmp_path / layout)))
