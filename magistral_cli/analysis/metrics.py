@@ -1,9 +1,12 @@
 """Metrics between a baseline run and a candidate run, and the verdict.
 
-The loss criterion is the seed's backend comparison: ``sum |c - b| / sum |b|`` over the steps both
-runs logged, at most 2 % by default. Step time is compared after a warm-up (the seed skipped the
-first 100 of 2000 steps); the candidate passes when its mean is at most ``max_step_time_ratio``
-times the baseline's (the seed's requirement "no slower" is a ratio of 1.0).
+The default verdict is the seed's backend comparison (2000 steps): ``sum |c - b| / sum |b|`` over
+the steps both runs logged at most 2 %, **and** a mean step time over steps 101.. no worse than the
+baseline's (a ratio of at most 1.0). The step-time half needs steps past the seed's 100 warm-up
+steps, so it is applied only when the common steps go beyond step 100; shorter runs (smoke tests,
+the quickstart's 10-step runs) are judged on the loss alone, with step times after step 1 reported
+and not judged. Either half can be set explicitly (``skip_steps``, ``max_step_time_ratio``,
+``step_time_check=False``); the report's ``criteria`` says which were applied and why.
 
 Values that are NaN, infinite or missing are never averaged: the steps that carry them are left
 out of the statistic, listed in the report and named in its ``warnings``. A non-finite candidate
@@ -22,7 +25,13 @@ from magistral_cli.errors import UserError
 from .logs import RunLog
 
 DEFAULT_LOSS_THRESHOLD = 0.02
-DEFAULT_SKIP_STEPS = 1
+#: The seed's warm-up: its step-time statistics cover steps 101-2000.
+SEED_WARMUP_STEPS = 100
+#: The seed's step-time requirement: the candidate no slower than the baseline.
+SEED_MAX_STEP_TIME_RATIO = 1.0
+#: Warm-up left out of runs too short for the seed's window: step 1 holds compilation and allocator
+#: warm-up, which would dominate a mean over a few steps.
+SHORT_RUN_SKIP_STEPS = 1
 
 
 def normalized_mean_abs_diff(baseline: Sequence[float], candidate: Sequence[float]) -> float:
@@ -97,21 +106,28 @@ def compare_runs(
     baseline: RunLog,
     candidate: RunLog,
     *,
-    skip_steps: int = DEFAULT_SKIP_STEPS,
-    loss_threshold: float = DEFAULT_LOSS_THRESHOLD,
+    skip_steps: int | None = None,
+    loss_threshold: float | None = None,
     max_step_time_ratio: float | None = None,
+    step_time_check: bool = True,
 ) -> Comparison:
     """Compare two runs on the steps both logged and decide pass / fail.
+
+    ``None`` means the default for the runs' length (:func:`resolve_criteria`): the seed's criteria
+    when the common steps go past step 100, else the loss alone. ``step_time_check=False`` reports
+    step times without judging them, whatever the length.
 
     Raises ``UserError`` for input that cannot be compared: no common steps, no step with a loss
     in both runs, no common step after ``skip_steps``, or ``max_step_time_ratio`` without step times.
     """
-    if skip_steps < 0:
+    if skip_steps is not None and skip_steps < 0:
         raise UserError("--skip-steps must be 0 or more")
-    if loss_threshold < 0:
+    if loss_threshold is not None and loss_threshold < 0:
         raise UserError("--loss-threshold must be 0 or more")
     if max_step_time_ratio is not None and max_step_time_ratio <= 0:
         raise UserError("--max-step-time-ratio must be greater than 0")
+    if max_step_time_ratio is not None and not step_time_check:
+        raise UserError("--max-step-time-ratio and --no-step-time-check contradict each other; pass one")
 
     steps = sorted(baseline.steps.keys() & candidate.steps.keys())
     if not steps:
@@ -132,14 +148,22 @@ def compare_runs(
     b_rec = [baseline.steps[s] for s in steps]
     c_rec = [candidate.steps[s] for s in steps]
     failures: list[str] = []
+    criteria = resolve_criteria(
+        steps[-1],
+        skip_steps=skip_steps,
+        loss_threshold=loss_threshold,
+        max_step_time_ratio=max_step_time_ratio,
+        step_time_check=step_time_check,
+    )
 
-    loss = _loss_report(steps, b_rec, c_rec, loss_threshold, warnings, failures)
-    step_time = _step_time_report(steps, b_rec, c_rec, skip_steps, max_step_time_ratio, warnings, failures)
+    loss = _loss_report(steps, b_rec, c_rec, criteria["loss_threshold"], warnings, failures)
+    step_time = _step_time_report(steps, b_rec, c_rec, criteria, warnings, failures)
 
     report = {
         "baseline": baseline.describe(),
         "candidate": candidate.describe(),
         "steps_compared": len(steps),
+        "criteria": criteria,
         "loss": loss,
         "step_time_ms": step_time,
         "memory_mib": {
@@ -243,7 +267,67 @@ def _loss_report(steps, b_rec, c_rec, threshold, warnings, failures) -> dict:
     return report
 
 
-def _step_time_report(steps, b_rec, c_rec, skip_steps, max_ratio, warnings, failures) -> dict:
+def resolve_criteria(
+    last_common_step: int,
+    *,
+    skip_steps: int | None = None,
+    loss_threshold: float | None = None,
+    max_step_time_ratio: float | None = None,
+    step_time_check: bool = True,
+) -> dict:
+    """The criteria a comparison applies, each with where it came from, and a sentence saying so.
+
+    ``preset`` is ``seed`` when the common steps go past the seed's warm-up (step 100): the seed's
+    verdict, loss difference <= 2 % and mean step time of steps 101.. at most 1.0 x the baseline's.
+    Otherwise ``short-run``: there is no step 101 to time, so the step-time half of the seed's
+    verdict cannot apply; the loss decides, and step times after step 1 are reported only. An
+    explicit value replaces the preset's value for that criterion and is listed in ``set_by_flag``.
+    """
+    long_run = last_common_step > SEED_WARMUP_STEPS
+    preset = "seed" if long_run else "short-run"
+    flags = []
+    if loss_threshold is None:
+        loss_threshold = DEFAULT_LOSS_THRESHOLD
+    else:
+        flags.append("--loss-threshold")
+    if skip_steps is None:
+        skip_steps = SEED_WARMUP_STEPS if long_run else SHORT_RUN_SKIP_STEPS
+    else:
+        flags.append("--skip-steps")
+    if not step_time_check:
+        flags.append("--no-step-time-check")
+    elif max_step_time_ratio is not None:
+        flags.append("--max-step-time-ratio")
+    elif long_run:
+        max_step_time_ratio = SEED_MAX_STEP_TIME_RATIO
+    judged = max_step_time_ratio is not None
+    time_part = (
+        f"mean step time of steps {skip_steps + 1}.. at most {max_step_time_ratio:g} x the baseline's"
+        if judged
+        else f"step times of steps {skip_steps + 1}.. reported, not judged"
+    )
+    text = f"loss difference <= {loss_threshold:.2%} and {time_part}"
+    if long_run:
+        head = "the seed's criteria" + (" with " + ", ".join(flags) if flags else "")
+    else:
+        head = (
+            f"short run (the common steps end at step {last_common_step}; the seed's step-time check "
+            f"times steps {SEED_WARMUP_STEPS + 1}..)" + ("; set by " + ", ".join(flags) if flags else "")
+        )
+    return {
+        "preset": preset,
+        "loss_threshold": loss_threshold,
+        "skip_steps": skip_steps,
+        "max_step_time_ratio": max_step_time_ratio,
+        "step_time_judged": judged,
+        "set_by_flag": flags,
+        "description": f"{head}: {text}",
+    }
+
+
+def _step_time_report(steps, b_rec, c_rec, criteria, warnings, failures) -> dict:
+    skip_steps, max_ratio = criteria["skip_steps"], criteria["max_step_time_ratio"]
+    explicit_ratio = "--max-step-time-ratio" in criteria["set_by_flag"]
     after = [i for i, s in enumerate(steps) if s > skip_steps]
     if not after:
         raise UserError(
@@ -264,10 +348,18 @@ def _step_time_report(steps, b_rec, c_rec, skip_steps, max_ratio, warnings, fail
         untimed = [steps[i] for i in after if i not in timed_set]
         warnings.append(f"step time missing or not finite at step {_listed(untimed)}: left out")
     if not timed:
-        if max_ratio is not None:
+        if explicit_ratio:
             raise UserError(
                 "--max-step-time-ratio needs step times, and no compared step has one in both runs"
             )
+        if max_ratio is not None:
+            # The seed's default on logs without step times: say that half was not applied.
+            criteria["step_time_judged"] = False
+            criteria["description"] += " (not applied: no compared step has a step time in both runs)"
+            warnings.append(
+                "no compared step has a step time in both runs: the seed's step-time check was not applied"
+            )
+            report["max_ratio"] = None
         return report
     report["baseline"] = step_time_summary([b_rec[i].step_time_ms for i in timed])
     report["candidate"] = step_time_summary([c_rec[i].step_time_ms for i in timed])
@@ -278,5 +370,8 @@ def _step_time_report(steps, b_rec, c_rec, skip_steps, max_ratio, warnings, fail
         if ratio is None:
             failures.append("the baseline's mean step time is 0 ms; the step time ratio is undefined")
         elif not report["pass"]:
-            failures.append(f"mean step time ratio {ratio:.4f} exceeds --max-step-time-ratio {max_ratio}")
+            where = "--max-step-time-ratio" if explicit_ratio else "the seed's limit"
+            failures.append(
+                f"mean step time ratio {ratio:.4f} (steps {skip_steps + 1}..) exceeds {where} {max_ratio:g}"
+            )
     return report

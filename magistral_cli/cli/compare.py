@@ -13,7 +13,9 @@ from rich.table import Table
 from magistral_cli.analysis.logs import KNOWN_FORMATS, read_run
 from magistral_cli.analysis.metrics import (
     DEFAULT_LOSS_THRESHOLD,
-    DEFAULT_SKIP_STEPS,
+    SEED_MAX_STEP_TIME_RATIO,
+    SEED_WARMUP_STEPS,
+    SHORT_RUN_SKIP_STEPS,
     Comparison,
     compare_runs,
 )
@@ -30,8 +32,12 @@ def register(app: typer.Typer) -> None:
 _HELP = (
     "Compare loss and step time of two runs or logs, with a verdict.\n\n"
     "Loss: sum|candidate - baseline| / sum|baseline| over the common steps, at most --loss-threshold. "
-    "Step time: mean / median / p95 after --skip-steps; with --max-step-time-ratio the candidate's mean "
-    "may be at most that multiple of the baseline's. Exit 0 pass, 1 fail, 2 bad input.\n\n"
+    "Step time: mean / median / p95 after --skip-steps, and the candidate/baseline ratio of the means.\n\n"
+    f"Default verdict, the seed's: when the common steps go past step {SEED_WARMUP_STEPS}, loss within "
+    f"{DEFAULT_LOSS_THRESHOLD:.0%} and the mean step time of steps {SEED_WARMUP_STEPS + 1}.. at most "
+    f"{SEED_MAX_STEP_TIME_RATIO:g} x the baseline's. Shorter runs: the loss alone, step times after step "
+    f"{SHORT_RUN_SKIP_STEPS} reported, not judged. The output names the criteria applied. "
+    "Exit 0 pass, 1 fail, 2 bad input.\n\n"
     "Formats: " + ", ".join(KNOWN_FORMATS) + "."
 )
 
@@ -44,21 +50,41 @@ def compare(
         Path, typer.Argument(metavar="CANDIDATE", help=f"The run judged. {_SOURCE_HELP}", show_default=False)
     ],
     skip_steps: Annotated[
-        int, typer.Option("--skip-steps", min=0, help="Warm-up: step times of steps 1..N are left out.")
-    ] = DEFAULT_SKIP_STEPS,
-    loss_threshold: Annotated[
-        float,
+        Optional[int],
         typer.Option(
-            "--loss-threshold", min=0.0, help="Largest normalized mean abs loss difference that passes."
+            "--skip-steps",
+            min=0,
+            help=f"Warm-up: step times of steps 1..N are left out [default: {SEED_WARMUP_STEPS} when the "
+            f"common steps go past step {SEED_WARMUP_STEPS}, else {SHORT_RUN_SKIP_STEPS}].",
+            show_default=False,
         ),
-    ] = DEFAULT_LOSS_THRESHOLD,
+    ] = None,
+    loss_threshold: Annotated[
+        Optional[float],
+        typer.Option(
+            "--loss-threshold",
+            min=0.0,
+            help=f"Largest normalized mean abs loss difference that passes [default: {DEFAULT_LOSS_THRESHOLD}].",
+            show_default=False,
+        ),
+    ] = None,
     max_step_time_ratio: Annotated[
         Optional[float],
         typer.Option(
             "--max-step-time-ratio",
-            help="Fail when candidate mean step time / baseline mean exceeds this (1.0 = no slower).",
+            help="Fail when candidate mean step time / baseline mean exceeds this (1.0 = no slower) "
+            f"[default: {SEED_MAX_STEP_TIME_RATIO:g} when the common steps go past step {SEED_WARMUP_STEPS}, "
+            "else not judged].",
+            show_default=False,
         ),
     ] = None,
+    no_step_time_check: Annotated[
+        bool,
+        typer.Option(
+            "--no-step-time-check",
+            help="Report step times without judging them (runs on different machines, say).",
+        ),
+    ] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
     plot: Annotated[
         Optional[Path],
@@ -78,6 +104,7 @@ def compare(
         skip_steps=skip_steps,
         loss_threshold=loss_threshold,
         max_step_time_ratio=max_step_time_ratio,
+        step_time_check=not no_step_time_check,
     )
     _render(result)
     if plot is not None:
@@ -107,6 +134,7 @@ def _render(result: Comparison) -> None:
             f"{side}: {escape(source['path'])} ({source['format']}, {source['steps_logged']} steps)",
             soft_wrap=True,
         )
+    console.print(f"criteria: {escape(r['criteria']['description'])}", soft_wrap=True)
     table = Table(
         title=f"{r['steps_compared']} common steps; step times of steps > {times['skip_steps']}",
         title_justify="left",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import logging
 import typing
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,9 @@ from pydantic import BaseModel, ValidationError
 from magistral_cli.errors import UserError
 
 from .patterns import WILDCARD
-from .schema import Recipe
+from .schema import Recipe, compatibility_notes
+
+log = logging.getLogger(__name__)
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
@@ -289,10 +292,29 @@ def validate_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
         raise UserError(f"invalid {source}:\n  " + "\n  ".join(problems)) from None
 
 
+#: Compatibility notes already logged by this process (``log_compatibility_notes``).
+_NOTED: set[str] = set()
+
+
+def log_compatibility_notes(recipe: Recipe) -> list[str]:
+    """Log, once per process, each seed key that is accepted because it changes nothing here.
+
+    Once: the launcher and every rank load the recipe, and a note repeated per load would bury the
+    log. Returns the notes logged by this call.
+    """
+    fresh = [note for note in compatibility_notes(recipe) if note not in _NOTED]
+    for note in fresh:
+        _NOTED.add(note)
+        log.info("%s", note)
+    return fresh
+
+
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Read, override and validate a recipe file."""
+    """Read, override and validate a recipe file; log its compatibility notes once."""
     data = apply_overrides(read_yaml(path), list(overrides or []))
-    return validate_recipe(data, source=f"recipe {path}")
+    recipe = validate_recipe(data, source=f"recipe {path}")
+    log_compatibility_notes(recipe)
+    return recipe
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:

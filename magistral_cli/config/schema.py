@@ -104,10 +104,16 @@ class FSDPPlan(Section):
         "fp32", description="Dtype of gradient reduce-scatter (MixedPrecisionPolicy.reduce_dtype)."
     )
     num_to_forward_prefetch: int = Field(
-        0, ge=0, description="FSDP2 units to all-gather ahead in forward (set_modules_to_forward_prefetch)."
+        0,
+        ge=0,
+        description="FSDP2 units to all-gather ahead in forward (set_modules_to_forward_prefetch), along the "
+        "chain of every unit in forward order, as the seed chains them.",
     )
     num_to_backward_prefetch: int = Field(
-        0, ge=0, description="FSDP2 units to all-gather ahead in backward (set_modules_to_backward_prefetch)."
+        0,
+        ge=0,
+        description="FSDP2 units to all-gather ahead in backward (set_modules_to_backward_prefetch), along "
+        "the same chain reversed.",
     )
     use_triton_split_copy: bool = Field(
         False,
@@ -201,11 +207,25 @@ class DatasetAttr(Section):
     )
 
 
+#: The seed's video settings (its configs and our defaults). Videos are not supported, so these
+#: are the only values accepted: any other would be a setting that silently does nothing.
+VIDEO_DEFAULTS: dict[str, Any] = {
+    "video_max_pixels": 16384,
+    "video_min_pixels": 0,
+    "video_fps": 2.0,
+    "video_maxlen": 64,
+}
+
+
 class PreprocessParameters(Section):
     model_name_or_path: Optional[str] = Field(
         None, description="Model directory holding the tokenizer and processor files."
     )
-    use_fast_tokenizer: bool = Field(True, description="Use the fast (tokenizers) implementation.")
+    use_fast_tokenizer: bool = Field(
+        True,
+        description="The tokenizer is always the fast one (a tokenizers.Tokenizer built from tekken.json or "
+        "tokenizer.json); true is accepted, false is refused.",
+    )
     split_special_tokens: bool = Field(
         False, description="Tokenize special-token strings in text as plain text."
     )
@@ -216,19 +236,81 @@ class PreprocessParameters(Section):
         1024, ge=0, description="Images smaller than this many pixels are upscaled."
     )
     video_max_pixels: int = Field(
-        16384, ge=0, description="Video frame pixel limit (videos unsupported for Magistral)."
+        VIDEO_DEFAULTS["video_max_pixels"],
+        ge=0,
+        description="Video frame pixel limit. Videos are not supported (rows with videos are dropped), so "
+        "only the seed's value is accepted.",
     )
-    video_min_pixels: int = Field(0, ge=0, description="Video frame minimum pixels.")
-    video_fps: float = Field(2.0, gt=0, description="Video sampling rate.")
-    video_maxlen: int = Field(64, ge=0, description="Maximum sampled video frames.")
+    video_min_pixels: int = Field(
+        VIDEO_DEFAULTS["video_min_pixels"],
+        ge=0,
+        description="Video frame minimum pixels (see video_max_pixels).",
+    )
+    video_fps: float = Field(
+        VIDEO_DEFAULTS["video_fps"], gt=0, description="Video sampling rate (see video_max_pixels)."
+    )
+    video_maxlen: int = Field(
+        VIDEO_DEFAULTS["video_maxlen"],
+        ge=0,
+        description="Maximum sampled video frames (see video_max_pixels).",
+    )
     fix_mistral_regex: bool = Field(
-        False, description="Repair the pre-tokenizer regex of third-party Mistral tokenizer.json files."
+        False,
+        description="Repair the pre-tokenizer regex of third-party Mistral tokenizer.json files (false refuses "
+        "one whose regex differs from Tekken's). With tekken.json it changes nothing: tekken.json carries "
+        "Tekken's own regex, which is what the repair writes.",
     )
-    trust_remote_code: bool = Field(False, description="Allow code from the model directory. Off by default.")
+    trust_remote_code: bool = Field(
+        False,
+        description="The data side reads tekken.json / tokenizer.json and runs no code from the model "
+        "directory; false is accepted, true is refused (model.trust_remote_code is the model's switch).",
+    )
     tokenizer_source: Literal["official", "unsloth", "auto"] = Field(
         "auto",
         description="Addition. official = tekken.json, unsloth = tokenizer.json; auto prefers tekken.json when present.",
     )
+    image_grid: Literal["mistral_common", "transformers"] = Field(
+        "mistral_common",
+        description=(
+            "Addition. How an image's sides become [IMG] rows and columns: mistral_common (Mistral's "
+            "ImageEncoder, the default) rounds each side up to 28 px, so a 300x200 image is 8 rows of 11; "
+            "transformers (the seed's LLaMA-Factory path: PixtralImageProcessor rounds up to 14 px, the patch "
+            "merger floors to 28) makes it 7 rows of 11, the seed's tokens and pixels exactly."
+        ),
+    )
+
+    @field_validator("use_fast_tokenizer")
+    @classmethod
+    def _fast_only(cls, value):
+        if not value:
+            raise ValueError(
+                "false is not supported: the tokenizer is always the fast one, built from "
+                "tekken.json or tokenizer.json (there is no slow implementation to choose); set it to true"
+            )
+        return value
+
+    @field_validator("trust_remote_code")
+    @classmethod
+    def _no_data_remote_code(cls, value):
+        if value:
+            raise ValueError(
+                "true is not supported here: preprocessing reads tekken.json or "
+                "tokenizer.json and never runs code from the model directory; set it to false "
+                "(model.trust_remote_code is the switch for loading the model's config)"
+            )
+        return value
+
+    @field_validator(*VIDEO_DEFAULTS)
+    @classmethod
+    def _no_video_settings(cls, value, info: ValidationInfo):
+        default = VIDEO_DEFAULTS[info.field_name]
+        if value != default:
+            raise ValueError(
+                f"{value!r} would have no effect: videos are not supported for Magistral "
+                f"(rows with videos are dropped and counted in the data report); remove the key or keep the "
+                f"seed's value {default!r}"
+            )
+        return value
 
     @model_validator(mode="after")
     def _pixels(self):
@@ -247,7 +329,11 @@ class BasicParameters(Section):
     )
     template: str = Field("mistral", description="Chat template name.")
     enable_thinking: bool = Field(
-        False, description="Use Magistral's default [THINK] system prompt when a sample has none."
+        False,
+        description=(
+            "Accepted for the seed's configs; like the seed's mistral template it changes no token: the "
+            "thinking prompt comes from default_system (true with default_system: '' is refused)."
+        ),
     )
     train_on_prompt: bool = Field(False, description="Also train on prompt tokens.")
     mask_history: bool = Field(False, description="Train on the last assistant turn only.")
@@ -266,7 +352,11 @@ class BasicParameters(Section):
     packing: bool = Field(False, description="Concatenate samples up to cutoff_len (causal across samples).")
     neat_packing: bool = Field(False, description="Packing without cross-sample attention (not supported).")
     default_system: Optional[str] = Field(
-        None, description="Addition. System prompt for samples that have none."
+        None,
+        description=(
+            "Addition. System prompt for samples that have none: absent or null = the seed template's "
+            "default, Magistral's thinking prompt; '' = no system prompt; any other text = that text."
+        ),
     )
     streaming: bool = Field(
         False, description="MindSpeed-MM streaming switch (not supported; must stay false)."
@@ -304,10 +394,20 @@ class CollateParam(Section):
 
 class DataloaderParam(Section):
     pin_memory: bool = Field(True, description="Pin host memory of batches.")
-    shuffle: bool = Field(True, description="Shuffle with the recipe seed.")
+    shuffle: bool = Field(
+        True,
+        description="Shuffle every epoch (BaseRandomBatchSampler by the epoch alone, ignoring the seed).",
+    )
     dataloader_mode: str = Field("sampler", description="MindSpeed-MM loader mode; 'sampler' is supported.")
     drop_last: bool = Field(True, description="Drop the last incomplete global batch.")
-    sampler_type: str = Field("BaseRandomBatchSampler", description="Batch sampler class name.")
+    sampler_type: str = Field(
+        "BaseRandomBatchSampler",
+        description=(
+            "Sample order: BaseRandomBatchSampler (the seed's: epoch-seeded), SeedRandomBatchSampler (the "
+            "seed's: epoch and training.seed), or the addition MagistralRandomBatchSampler (seed + epoch, "
+            "drop_last false allowed). Others are refused."
+        ),
+    )
     infinite_sampler: bool = Field(
         False, description="Continue across epochs in the order of consecutive epochs."
     )
@@ -315,7 +415,22 @@ class DataloaderParam(Section):
     prefetch_factor: Optional[int] = Field(None, ge=1, description="Batches prefetched per worker.")
     persistent_workers: bool = Field(False, description="Keep workers alive across epochs.")
     collate_param: CollateParam = Field(default_factory=CollateParam, description="Collator settings.")
-    enable_preload: bool = Field(False, description="MindSpeed-MM preload switch; accepted, unused.")
+    enable_preload: bool = Field(
+        False,
+        description="MindSpeed-MM's preload switch. Preloading is not supported: false (the seed's value) is "
+        "accepted, true is refused.",
+    )
+
+    @field_validator("enable_preload")
+    @classmethod
+    def _no_preload(cls, value):
+        if value:
+            raise ValueError(
+                "true is not supported: there is no preload stage (samples are encoded into the "
+                "cache before the run, and num_workers / prefetch_factor / pin_memory overlap loading with "
+                "the steps); set it to false"
+            )
+        return value
 
 
 class Data(Section):
@@ -359,8 +474,14 @@ class Model(Section):
 
 
 class LossCfg(Section):
-    loss_type: str = Field(
-        "default", description="Loss kind; 'default' = token-level cross entropy over the global batch."
+    loss_type: Literal["default", "per_sample_loss", "per_token_loss"] = Field(
+        "default",
+        description=(
+            "How token losses are reduced, as in MindSpeed-MM: 'default' = each micro-batch's token mean, "
+            "averaged over micro-batches and data-parallel ranks; 'per_sample_loss' = each sample's token "
+            "mean, averaged over samples; 'per_token_loss' = the global batch's summed token losses over its "
+            "target count (independent of how the batch is split)."
+        ),
     )
 
 
@@ -393,7 +514,9 @@ class Features(Section):
         False, description="Offload activations to the host (not supported; accepted as false)."
     )
     activation_offload_plan: ModulePlan = Field(
-        default_factory=ModulePlan, description="Modules for activation offload."
+        default_factory=ModulePlan,
+        description="Modules for activation offload; read only when enable_activation_offload is true, which "
+        "is refused, so the seed's plan is accepted and unused (logged once).",
     )
 
     @field_validator("enable_activation_offload")
@@ -413,6 +536,19 @@ class Features(Section):
 
 
 # --------------------------------------------------------------------------- training
+
+
+#: The seed's ``training.plugin`` paths, and what of ours does their job.
+BUILT_IN_PLUGINS = {
+    "mindspeed_mm/fsdp/models/mistral3": "model.model_id mistral3",
+    "mindspeed_mm/fsdp/data/datasets/huggingface": "data.dataset_param.dataset_type huggingface",
+}
+
+
+def _plugin_key(path: str) -> str:
+    """A plugin path as the seed writes it: slashes, no trailing slash or ``.py`` (dots also accepted)."""
+    path = path.strip().rstrip("/").removesuffix(".py")
+    return path.replace(".", "/") if "/" not in path else path
 
 
 class Training(Section):
@@ -453,7 +589,13 @@ class Training(Section):
     load_format: Literal["hf", "dcp", "auto"] = Field(
         "auto", description="Format of training.load; auto detects it."
     )
-    save: Optional[str] = Field(None, description="Checkpoint directory (default: <output_dir>/checkpoints).")
+    save: Optional[str] = Field(
+        None,
+        description=(
+            "Checkpoint directory; a relative path is inside the run directory (output_dir). Unset (the "
+            "seed's default): no checkpoint is written and the run cannot be resumed."
+        ),
+    )
     load_strict: bool = Field(True, description="Any missing or unexpected key stops the run before step 1.")
     resume: Literal["auto", "never"] = Field(
         "auto",
@@ -481,7 +623,10 @@ class Training(Section):
         False, description="Collect once and freeze setup objects; automatic GC stays on for new objects."
     )
     plugin: list[str] = Field(
-        default_factory=list, description="MindSpeed-MM plugin paths; accepted for compatibility, unused."
+        default_factory=list,
+        description="MindSpeed-MM plugin paths. No plugin is imported: the two the seed lists (the mistral3 "
+        "model and the huggingface dataset) are built in, so those are accepted (logged once) and any "
+        "other path is refused.",
     )
     output_dir: Optional[str] = Field(
         None, description="Addition. Run directory (default runs/<recipe-name>-<timestamp>)."
@@ -489,6 +634,18 @@ class Training(Section):
     val_interval: int = Field(
         0, ge=0, description="Validation interval (validation is not supported; keep 0)."
     )
+
+    @field_validator("plugin")
+    @classmethod
+    def _built_in_plugins(cls, value):
+        unknown = [path for path in value if _plugin_key(path) not in BUILT_IN_PLUGINS]
+        if unknown:
+            raise ValueError(
+                f"{unknown[0]!r} is not supported: this tool imports no MindSpeed-MM plugins; the ones the seed "
+                f"lists ({', '.join(BUILT_IN_PLUGINS)}) are built in. Remove the entry (a model other than "
+                "mistral3 or another dataset type cannot be plugged in)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _gc(self):
@@ -503,8 +660,28 @@ class Training(Section):
 # --------------------------------------------------------------------------- tools
 
 
+#: ``static_param.level`` values and the ``torch_npu.profiler.ProfilerLevel`` member each selects.
+NPU_PROFILER_LEVELS = {"level_none": "Level_none", "level0": "Level0", "level1": "Level1", "level2": "Level2"}
+#: ``static_param.aic_metrics_type`` values: ``torch_npu.profiler.AiCMetrics`` member names.
+NPU_AIC_METRICS = (
+    "AiCoreNone",
+    "PipeUtilization",
+    "ArithmeticUtilization",
+    "Memory",
+    "MemoryL0",
+    "MemoryUB",
+    "ResourceConflictRatio",
+    "L2Cache",
+    "MemoryAccess",
+)
+
+
 class StaticProfileParam(Section):
-    level: str = Field("level1", description="Profiler level (NPU profiler levels; ignored elsewhere).")
+    level: str = Field(
+        "level1",
+        description="torch_npu profiler level (level_none, level0, level1, level2). NPU only: on other "
+        "devices a value other than level1 is refused when the profiler runs.",
+    )
     with_stack: bool = Field(False, description="Record Python stacks.")
     with_memory: bool = Field(False, description="Record memory events.")
     record_shapes: bool = Field(False, description="Record operator input shapes.")
@@ -514,8 +691,30 @@ class StaticProfileParam(Section):
     )
     start_step: int = Field(10, ge=1, description="First profiled step.")
     end_step: int = Field(11, ge=1, description="Step after the last profiled one.")
-    data_simplification: bool = Field(False, description="NPU profiler data simplification.")
-    aic_metrics_type: str = Field("PipeUtilization", description="NPU AI-core metrics type.")
+    data_simplification: bool = Field(
+        False, description="torch_npu profiler data simplification. NPU only, like level."
+    )
+    aic_metrics_type: str = Field(
+        "PipeUtilization",
+        description="torch_npu AI-core metrics (an AiCMetrics name: PipeUtilization, ArithmeticUtilization, "
+        "...). NPU only, like level.",
+    )
+
+    @field_validator("level")
+    @classmethod
+    def _level(cls, value):
+        if value not in NPU_PROFILER_LEVELS:
+            raise ValueError(f"unknown profiler level {value!r}; use one of {', '.join(NPU_PROFILER_LEVELS)}")
+        return value
+
+    @field_validator("aic_metrics_type")
+    @classmethod
+    def _aic_metrics(cls, value):
+        if value not in NPU_AIC_METRICS:
+            raise ValueError(
+                f"unknown AI-core metrics type {value!r}; use one of {', '.join(NPU_AIC_METRICS)}"
+            )
+        return value
 
     @model_validator(mode="after")
     def _steps(self):
@@ -526,11 +725,24 @@ class StaticProfileParam(Section):
 
 class Profile(Section):
     enable: bool = Field(False, description="Run the torch profiler.")
-    profile_type: str = Field("static", description="Only 'static' (a fixed step range).")
+    profile_type: str = Field(
+        "static",
+        description="Only 'static' (the start_step..end_step range); MindSpeed-MM's 'dynamic' is refused.",
+    )
     ranks: list[int] = Field(default_factory=lambda: [0], description="Ranks that profile.")
     static_param: StaticProfileParam = Field(
         default_factory=StaticProfileParam, description="Step range and options."
     )
+
+    @field_validator("profile_type")
+    @classmethod
+    def _static_only(cls, value):
+        if value != "static":
+            raise ValueError(
+                f"profile_type {value!r} is not supported: only 'static' profiling (a fixed step range, "
+                "static_param.start_step..end_step); set profile_type: static"
+            )
+        return value
 
 
 class MemoryProfile(Section):
@@ -563,6 +775,27 @@ class Recipe(Section):
     features: Features = Field(default_factory=Features, description="Memory and speed features.")
     training: Training = Field(..., description="Optimization, checkpoints and logging.")
     tools: Tools = Field(default_factory=Tools, description="Profilers.")
+
+
+def compatibility_notes(recipe: Recipe) -> list[str]:
+    """One line per seed key that is accepted because its value means what this tool does anyway.
+
+    The loader logs each once per process, so a run's log says that these keys were read and why
+    they change nothing; every other value of them is refused by the schema.
+    """
+    notes = []
+    if recipe.training.plugin:
+        notes.append(
+            f"training.plugin {recipe.training.plugin}: nothing is imported; these MindSpeed-MM plugins are "
+            "built in (" + "; ".join(BUILT_IN_PLUGINS[_plugin_key(p)] for p in recipe.training.plugin) + ")"
+        )
+    plan = recipe.features.activation_offload_plan.apply_modules
+    if plan and not recipe.features.enable_activation_offload:
+        notes.append(
+            f"features.activation_offload_plan {plan} is not used: activation offload is off "
+            "(enable_activation_offload: false) and not supported; recompute_plan saves activation memory"
+        )
+    return notes
 
 
 def check_world_size(recipe: Recipe, world_size: int) -> int:

@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,8 @@ INTEGRITY = "integrity.json"
 DIGEST = "xxh3_64"
 STEP_DIR = re.compile(r"step_(\d+)")
 _READ_CHUNK = 8 << 20
+#: This process's timings of its last save (seconds): DCP write, integrity hashing, commit.
+LAST_SAVE: dict[str, float] = {}
 #: Fault injection for the crash-safety test: ``kill-during-save:<step>[:<rank>]`` SIGKILLs that
 #: rank after its shards of that step's checkpoint are written, before the checkpoint is committed.
 FAULT_ENV = "MAGISTRAL_FAULT_INJECT"
@@ -69,6 +72,17 @@ def unpack(tensor: torch.Tensor) -> Any:
 
 def step_dir_name(step: int) -> str:
     return f"step_{step}"
+
+
+def resolve_save_dir(save: str | None, run_dir: Path) -> Path | None:
+    """Where checkpoints go: ``training.save`` (a relative path is inside the run directory), or None.
+
+    As in the seed, a run writes checkpoints only when ``training.save`` is set.
+    """
+    if not save:
+        return None
+    path = Path(save)
+    return path if path.is_absolute() else Path(run_dir) / path
 
 
 def latest_name(save_dir: Path) -> tuple[str | None, str | None]:
@@ -330,11 +344,16 @@ def save_checkpoint(state: dict[str, Any], save_dir: Path, step: int) -> Path:
             problem = _reason(exc)
     dist.barrier()
     mine = None
+    started = time.perf_counter()
+    hashed = started
     try:
         dcp.save(state, checkpoint_id=str(tmp))  # raises on every rank when any rank fails
         _maybe_inject_fault(step)
+        written = time.perf_counter()
         # Every rank hashes the files it wrote, in parallel; rank 0 records them all.
         mine = {p.name: _describe(p) for p in rank_files(tmp, rank)}
+        hashed = time.perf_counter()
+        LAST_SAVE.update(write_s=written - started, hash_s=hashed - written)
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
         problem = problem or _reason(exc)
     everyone: list[tuple[str | None, dict | None] | None] = [None] * world
@@ -361,6 +380,7 @@ def save_checkpoint(state: dict[str, Any], save_dir: Path, step: int) -> Path:
             "another disk) and launch again: the run resumes from its last good checkpoint"
         )
     dist.barrier()
+    LAST_SAVE["commit_s"] = time.perf_counter() - hashed
     return final
 
 

@@ -34,12 +34,17 @@ class LossHead(nn.Linear):
 
     chunk_size: int | None = None
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        token_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if labels is None:
             return super().forward(hidden)
         if self.bias is not None:
             raise ValueError("the chunked loss head does not support a bias")
-        return cross_entropy_sum(hidden, self.weight, labels, self.chunk_size)
+        return cross_entropy_sum(hidden, self.weight, labels, self.chunk_size, token_weights)
 
 
 def install_loss_head(model: nn.Module, module_name: str, chunk_size: int | None) -> nn.Module:
@@ -67,7 +72,9 @@ class Mistral3ForTraining(Mistral3ForConditionalGeneration):
         position_ids: torch.Tensor | None = None,
         pixel_values: torch.Tensor | None = None,
         image_sizes: torch.Tensor | None = None,
+        sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The (weighted) sum of the token losses; ``sample_weights`` ``[B]`` weighs every token of a sample."""
         inputs_embeds = None
         if pixel_values is None:
             # Every rank must run the same FSDP units in the same order, or the all-gathers
@@ -88,7 +95,11 @@ class Mistral3ForTraining(Mistral3ForConditionalGeneration):
         )
         hidden = outputs.last_hidden_state
         # Position i predicts token i + 1: labels arrive aligned with input_ids, unshifted.
-        return self.lm_head(hidden[:, :-1], labels[:, 1:])
+        targets = labels[:, 1:]
+        weights = None
+        if sample_weights is not None:
+            weights = sample_weights.to(torch.float32)[:, None].expand(targets.shape)
+        return self.lm_head(hidden[:, :-1], targets, weights)
 
     def _blank_image_features(self, like: torch.Tensor) -> torch.Tensor:
         # Two image tokens, not one: transformers squeezes a single-token image batch to 1D.

@@ -235,7 +235,10 @@ def build_optimizer(model: nn.Module, training: Training, device_type: str) -> t
 
 
 def lr_at(step: int, training: Training) -> float:
-    """Learning rate of optimizer step ``step`` (1-based): linear warm-up, then the decay style."""
+    """The schedule after ``step`` scheduler steps: linear warm-up from 0, then the decay style.
+
+    Optimizer step k uses ``lr_at(k - 1)``: MindSpeed-MM reads the lr before ``scheduler.step()``.
+    """
     total = training.train_iters
     warmup = int(training.lr_warmup_ratio * total)
     peak, floor = training.lr, training.min_lr

@@ -5,7 +5,7 @@
 1. ``apply_freeze``      requires_grad off for ``model.freeze`` patterns
 2. ``apply_ac``          activation checkpointing over ``features.recompute_plan``
 3. ``apply_fsdp``        FSDP2 ``fully_shard`` bottom-up over ``parallel.fsdp_plan``, then the root
-4. ``apply_prefetch``    explicit all-gather prefetch between consecutive layers
+4. ``apply_prefetch``    explicit all-gather prefetch along the chain of FSDP units
 5. ``ops.context_parallel.apply_context_parallel`` when the CP degree is above 1
 """
 
@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from magistral_cli.config.patterns import WILDCARD, select_modules
+from magistral_cli.config.patterns import select_modules
 from magistral_cli.config.schema import FSDPPlan, Recipe, check_world_size
 from magistral_cli.errors import UserError
 
@@ -211,30 +211,78 @@ def tied_units(model: nn.Module, units: list[tuple[str, nn.Module]]) -> list[tup
     return out
 
 
-def apply_prefetch(model: nn.Module, plan: FSDPPlan) -> int:
-    """Prefetch the all-gathers of the next (forward) / previous (backward) layers of each ``{*}`` pattern.
+def fsdp_units_in_order(model: nn.Module) -> list[FSDPModule]:
+    """Every FSDP unit below the root, once each, in the order their forwards start.
 
-    FSDP2 already overlaps one unit ahead implicitly; explicit prefetch issues more all-gathers
-    early, trading memory for overlap. Returns how many units got prefetch lists.
+    The seed's ``set_modules_to_prefetch`` (MindSpeed-MM ``fully_shard_parallel.py``) chains the
+    wrapped modules as ``model.modules()`` visits them: a parent before its children, siblings in
+    registration order. That is the forward order of Mistral3 but for one unit: the input
+    embedding, which ``Mistral3Model.forward`` calls first (it embeds ``input_ids``, then merges
+    the image features), while it is registered inside ``model.language_model``, after the vision
+    tower. Left there, ``model.language_model`` would prefetch an embedding that already ran: a
+    second all-gather of the largest unit, held gathered until its backward. So the unit holding
+    ``get_input_embeddings()`` goes first, and the rest keep the seed's order
+    (tests/engine/test_prefetch.py checks the chain against the order the forward hooks fire).
+
+    Units are FSDP states, not modules: a grouped unit such as the tied ``[embed_tokens, lm_head]``
+    (``tied_units``) makes both modules ``FSDPModule`` instances sharing one state, so it is
+    listed once. The root is left out, as in the seed: its pre-forward runs before everything.
+    """
+    root_state = model._get_fsdp_state() if isinstance(model, FSDPModule) else None
+    seen: set[int] = set()
+    units = []
+    for module in model.modules():
+        if module is model or not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        if state is root_state or id(state) in seen:
+            continue
+        seen.add(id(state))
+        units.append(module)
+    get_embed = getattr(model, "get_input_embeddings", None)
+    embed = get_embed() if callable(get_embed) else None
+    if isinstance(embed, FSDPModule):
+        state = embed._get_fsdp_state()
+        first = [u for u in units if u._get_fsdp_state() is state]
+        units = first + [u for u in units if u._get_fsdp_state() is not state]
+    return units
+
+
+def prefetch_plan(units: list, forward: int, backward: int) -> list[tuple[object, list, list]]:
+    """(unit, forward prefetch list, backward prefetch list) for every unit of a forward-ordered chain.
+
+    The seed's rule: in forward each unit prefetches the next ``forward`` units; in backward (the
+    reverse order) the next ``backward`` units of the reversed chain, nearest first.
+    """
+    plan = []
+    for i, unit in enumerate(units):
+        ahead = units[i + 1 : i + 1 + forward] if forward else []
+        behind = units[max(0, i - backward) : i][::-1] if backward else []
+        plan.append((unit, ahead, behind))
+    return plan
+
+
+def apply_prefetch(model: nn.Module, plan: FSDPPlan) -> int:
+    """Explicit all-gather prefetch along every FSDP unit of the model, as the seed chains it.
+
+    ``num_to_forward_prefetch`` / ``num_to_backward_prefetch`` units ahead, over the whole chain
+    of ``fsdp_units_in_order`` (not only within one ``{*}`` pattern: the last vision layer
+    prefetches the projector, the last decoder layer the head). Only ``FSDPModule`` instances
+    are chained, each unit once (a tied group is one unit). FSDP2 overlaps one unit ahead
+    implicitly; explicit prefetch issues the all-gathers earlier from the CPU and, above 1, holds
+    more gathered units at once (the memory plan counts ``num_to_backward_prefetch``). Returns
+    how many units got a prefetch list.
     """
     nf, nb = plan.num_to_forward_prefetch, plan.num_to_backward_prefetch
     if nf == 0 and nb == 0:
         return 0
     count = 0
-    for pattern in plan.apply_modules:
-        if WILDCARD not in pattern:
-            continue
-        layers = [m for _, m in select_modules(model, [pattern]) if isinstance(m, FSDPModule)]
-        for i, layer in enumerate(layers):
-            if nf:
-                forward = layers[i + 1 : i + 1 + nf]
-                if forward:
-                    layer.set_modules_to_forward_prefetch(forward)
-            if nb:
-                backward = layers[max(0, i - nb) : i][::-1]
-                if backward:
-                    layer.set_modules_to_backward_prefetch(backward)
-            count += 1
+    for unit, ahead, behind in prefetch_plan(fsdp_units_in_order(model), nf, nb):
+        if ahead:
+            unit.set_modules_to_forward_prefetch(ahead)
+        if behind:
+            unit.set_modules_to_backward_prefetch(behind)
+        count += bool(ahead or behind)
     return count
 
 

@@ -121,7 +121,8 @@ class Trainer:
         if training.output_dir is None:
             raise UserError("training.output_dir is not set; launch with `magistral train`, which sets it")
         self.run_dir = Path(training.output_dir)
-        self.save_dir = Path(training.save) if training.save else self.run_dir / "checkpoints"
+        # None: no checkpoint is written (training.save unset, as in the seed's configs).
+        self.save_dir = ckpt.resolve_save_dir(training.save, self.run_dir)
 
         self.device_type = resolve_device_type(recipe.parallel.device)
         if training.use_deter_comp:
@@ -141,6 +142,14 @@ class Trainer:
         self.fsdp_group = self.meshes.dp_cp.get_group()
         self.cp_groups = cp_groups_from_mesh(self.meshes) if self.dims.cp > 1 else None
         self.cp_rank = self.cp_groups.cp_rank if self.cp_groups is not None else 0
+        self.loss_type = recipe.features.loss_cfg.loss_type
+        if self.loss_type == "per_sample_loss" and training.micro_batch_size == 1:
+            self.loss_type = "default"  # one sample per micro-batch: the same loss, the plain path
+        if self.loss_type == "per_sample_loss" and self.cp_groups is not None:
+            raise UserError(
+                "features.loss_cfg.loss_type=per_sample_loss with context parallelism needs "
+                "training.micro_batch_size=1 (then it equals 'default'); or use default / per_token_loss"
+            )
         seed_everything(training.seed, self.device_type)
         if training.manual_gc_interval:
             gc.disable()
@@ -243,11 +252,13 @@ class Trainer:
     def _load_initial_state(self) -> None:
         """Resume from a training checkpoint, or load ``training.load`` weights (in that order)."""
         training = self.recipe.training
-        if self.rank == 0:
+        if self.rank == 0 and self.save_dir is not None:
             for stale in ckpt.remove_stale_temporaries(self.save_dir):
                 log.warning("removed %s, left by an interrupted checkpoint save", stale)
         resume = None
-        if training.resume == "auto":
+        if self.save_dir is None:
+            pass  # nothing saved, nothing to resume from
+        elif training.resume == "auto":
             resume = self._choose(self.save_dir, what="resume")
         else:
             existing = ckpt.list_checkpoints(self.save_dir)
@@ -391,6 +402,8 @@ class Trainer:
         self.step = int(state["step"])
 
     def save(self) -> Path:
+        if self.save_dir is None:
+            raise UserError("training.save is not set, so there is nowhere to save a checkpoint")
         path = ckpt.save_checkpoint(self.state_dict(), self.save_dir, self.step)
         log.info("saved checkpoint %s", path)
         return path
@@ -407,12 +420,22 @@ class Trainer:
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Forward and backward over this rank's micro-batches; gradients end up reduce-scattered.
 
-        The loss is normalised over the non-ignored targets of the *global* batch (all micro-batches
-        of all data-parallel ranks), so the gradient does not depend on how the batch is split.
-        Returns device tensors: ``loss_sum`` (this rank's summed token losses) and ``counts``
-        (global targets, global non-padding tokens). Nothing here waits for the device.
+        The loss follows ``features.loss_cfg.loss_type``, with MindSpeed-MM's semantics:
+
+        - ``default``: each micro-batch's own token mean; the step is the mean of the micro-batch
+          means over the accumulation steps and the data-parallel ranks.
+        - ``per_sample_loss``: each sample's token mean, averaged over the micro-batch's samples,
+          then as ``default``.
+        - ``per_token_loss``: the summed token losses of the whole global batch over its target
+          count (the only one whose gradient does not depend on how the batch is split).
+
+        Returns device tensors: ``loss_sum`` (this rank's summed token losses), ``objective``
+        (this rank's share of the logged loss) and ``counts`` (global targets, global non-padding
+        tokens). Nothing here waits for the device.
         """
+        loss_type = self.loss_type
         local = torch.zeros(2, dtype=torch.int64)
+        targets: list[int] = []
         for mb in micro_batches:
             # Host-side checks and counts: the batches are still on the CPU, so no device sync.
             # Every rank of a CP group holds the same micro-batches: counting over dp counts
@@ -423,15 +446,18 @@ class Trainer:
                 if self.cp_groups is None:
                     raise
                 raise UserError(f"context parallelism: {exc}") from None
-            local[0] += (mb["labels"][:, 1:] != -100).sum()
+            targets.append(int((mb["labels"][:, 1:] != -100).sum()))
+            local[0] += targets[-1]
             local[1] += mb["attention_mask"].sum()
         counts = local.to(self.device)
-        # The global counts are needed only by the first backward: overlap the all-reduce with
-        # the first forward.
+        # The global counts are needed only by per_token_loss's first backward: overlap the
+        # all-reduce with the first forward.
         pending = dist.all_reduce(counts, group=self.dp_group, async_op=True)
         scale = None
+        accumulation = len(micro_batches)
 
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        objective = torch.zeros((), dtype=torch.float32, device=self.device)
         last = len(micro_batches) - 1
         defer = self.recipe.parallel.fsdp_plan.defer_grad_sync
         for i, mb in enumerate(micro_batches):
@@ -440,22 +466,35 @@ class Trainer:
             # defer_grad_sync skips the reduce-scatter until the last micro-batch: less communication,
             # but FSDP2 then keeps every trainable parameter's gradient unsharded on every rank.
             self.model.set_requires_gradient_sync(i == last or not defer)
+            batch = _to_device(mb, self.device)
+            if loss_type == "per_sample_loss":
+                # Every token of sample b weighs 1 / (its targets x the micro-batch's samples).
+                per_sample = (mb["labels"][:, 1:] != -100).sum(dim=1).to(torch.float32)
+                weights = torch.where(per_sample > 0, 1.0 / per_sample.clamp(min=1), 0.0) / len(per_sample)
+                batch["sample_weights"] = weights.to(self.device)
             if self.cp_groups is None:
-                loss = self.model(**_to_device(mb, self.device))
+                loss = self.model(**batch)
             else:
                 # num_items 1: the summed token losses of the whole sequence, like the plain
                 # forward. The CP loss reduction scales each rank's backward by cp, which
-                # FSDP's average over dp x cp takes back out: the dp scale below stays right.
-                loss = self.model(**_to_device(mb, self.device), num_items_in_batch=1).loss
-            if scale is None:
-                pending.wait()
-                # FSDP averages gradients over the dp ranks; multiplying by dp undoes that
-                # average, so the result is sum(token losses) / global targets.
-                scale = self.dims.dp / counts[0].clamp(min=1).to(torch.float32)
-            (loss * scale).backward()
-            loss_sum += loss.detach()
+                # FSDP's average over dp x cp takes back out: the scales below stay right.
+                loss = self.model(**batch, num_items_in_batch=1).loss
+            if loss_type == "per_token_loss":
+                if scale is None:
+                    pending.wait()
+                    # FSDP averages gradients over the dp ranks; multiplying by dp undoes that
+                    # average, so the result is sum(token losses) / global targets.
+                    scale = self.dims.dp / counts[0].clamp(min=1).to(torch.float32)
+                step_scale = scale
+            elif loss_type == "default":
+                step_scale = 1.0 / (max(targets[i], 1) * accumulation)
+            else:  # per_sample_loss: the weights already normalise within the micro-batch
+                step_scale = 1.0 / accumulation
+            (loss * step_scale).backward()
+            loss_sum += loss.detach()  # per_sample_loss: the weighted sum
+            objective += loss.detach() * (1.0 if loss_type == "per_token_loss" else step_scale)
             self.after_micro_batch(i, last=i == last)
-        return {"loss_sum": loss_sum, "counts": counts}
+        return {"loss_sum": loss_sum, "objective": objective, "counts": counts}
 
     def after_micro_batch(self, index: int, *, last: bool) -> None:
         """Called after each micro-batch's backward (a no-op; subclasses measure memory here)."""
@@ -463,10 +502,12 @@ class Trainer:
     def optimizer_step(self, loss_sum: torch.Tensor | None = None) -> dict[str, Any]:
         """Gradient norm (always) and clipping, AdamW at this step's learning rate, zero grads.
 
-        Returns device tensors: ``grad_norm`` and ``loss_sum`` summed over the dp ranks (the
-        two travel in one all-reduce), and the ``lr`` used.
+        ``loss_sum`` is this rank's ``objective``. Returns device tensors: ``grad_norm`` and
+        ``loss_sum`` summed over the dp ranks (the two travel in one all-reduce), and the ``lr``
+        used. Step k uses the schedule's value after k - 1 scheduler steps, as MindSpeed-MM reads
+        the lr before ``scheduler.step()``: a warm-up run's first step has lr 0.
         """
-        lr = lr_at(self.step + 1, self.recipe.training)
+        lr = lr_at(self.step, self.recipe.training)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if loss_sum is None:
@@ -507,15 +548,21 @@ class Trainer:
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
         """One optimizer step; returns device tensors and the lr (one host synchronisation: the finiteness check)."""
         out = self.forward_backward(micro_batches)
-        out.update(self.optimizer_step(out["loss_sum"]))
+        out.update(self.optimizer_step(out["objective"]))
         return out
+
+    def logged_loss(self, global_objective: float, targets: int) -> float:
+        """The step's loss from the objectives summed over the dp ranks (MindSpeed-MM's logged value)."""
+        if self.loss_type == "per_token_loss":
+            return global_objective / max(targets, 1)
+        return global_objective / self.dims.dp
 
     def _record(self, out: dict[str, Any]) -> dict[str, Any]:
         """The metrics.jsonl record of the step just taken (its .item() calls wait for the device)."""
         targets, tokens = (int(v) for v in out["counts"].tolist())
         record = {
             "step": self.step,
-            "loss": out["global_loss_sum"].item() / max(targets, 1),
+            "loss": self.logged_loss(out["global_loss_sum"].item(), targets),
             "grad_norm": float(out["grad_norm"]),
             "lr": float(out["lr"]),
             "step_time_ms": None,
@@ -560,7 +607,11 @@ class Trainer:
                         metrics.write(record)
                     progress.update(record)
                     interval_start, interval_steps = time.perf_counter(), 0
-                if training.save_interval and step % training.save_interval == 0:
+                if (
+                    self.save_dir is not None
+                    and training.save_interval
+                    and step % training.save_interval == 0
+                ):
                     path = self.save()
                     last_saved = step
                     progress.message(f"checkpoint {path}")
@@ -568,7 +619,12 @@ class Trainer:
                     gc.collect()
                 mem_profiler.after_step(step)
                 profiler.after_step(step)
-            if training.save_interval and self.step != last_saved and self.step == training.train_iters:
+            if (
+                self.save_dir is not None
+                and training.save_interval
+                and self.step != last_saved
+                and self.step == training.train_iters
+            ):
                 path = self.save()
                 progress.message(f"checkpoint {path}")
         finally:

@@ -362,8 +362,16 @@ def _write_run_dir(recipe, recipe_path, overrides, options, run_dir, memory, war
     """Check the save directory, write resolved_config.yaml and run_identity.json, encode the data."""
     device, nproc = recipe.parallel.device, recipe.parallel.nproc_per_node
     world_size = nproc * options.nnodes
-    save_dir = Path(recipe.training.save) if recipe.training.save else run_dir / "checkpoints"
-    _check_save_dir(recipe, save_dir, memory, warnings, options)
+    from magistral_cli.engine.checkpoint import resolve_save_dir
+
+    save_dir = resolve_save_dir(recipe.training.save, run_dir)
+    if save_dir is None:
+        warnings.append(
+            "no checkpoint will be written (training.save is not set, as in the seed's configs), so this run "
+            "cannot be resumed; set training.save=checkpoints (inside the run directory) or a path to keep them"
+        )
+    else:
+        _check_save_dir(recipe, save_dir, memory, warnings, options)
     recipe.training.output_dir = str(run_dir)
 
     added, kept = merge_env(device_defaults(device, nproc), dict(os.environ))

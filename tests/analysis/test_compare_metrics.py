@@ -210,3 +210,36 @@ def test_zero_baseline_loss_has_no_relative_error_but_counts_in_the_normalized_s
     assert loss["relative_error_mean"] == pytest.approx((0.1 + 0.0) / 2)
     assert loss["relative_error_max_step"] == 2
     assert any("baseline loss is 0 at 1 step" in w for w in result.report["warnings"])
+
+
+@pytest.mark.parametrize(("last", "preset"), [(100, "short-run"), (101, "seed")])
+def test_the_seeds_criteria_start_past_its_warm_up(last, preset):
+    """Step times 10 % slower from step 2 on: judged (and failed) only once a step past 100 exists."""
+    losses = {s: 1.0 for s in range(1, last + 1)}
+    b_time = {s: 1000.0 for s in losses}
+    c_time = {s: 1100.0 for s in losses}
+    result = compare_runs(make_run(losses, b_time), make_run(losses, c_time))
+    criteria = result.report["criteria"]
+    assert criteria["preset"] == preset
+    if preset == "seed":
+        assert (criteria["skip_steps"], criteria["max_step_time_ratio"]) == (100, 1.0)
+        assert result.report["step_time_ms"]["baseline"]["steps"] == 1  # step 101 only
+        assert result.passed is False
+        assert any("exceeds the seed's limit 1" in f for f in result.report["failures"])
+    else:
+        assert (criteria["skip_steps"], criteria["max_step_time_ratio"]) == (1, None)
+        assert result.report["step_time_ms"]["mean_ratio"] == pytest.approx(1.1)
+        assert result.passed is True
+        assert "step times of steps 2.. reported, not judged" in criteria["description"]
+
+
+def test_the_seeds_step_time_check_on_logs_without_step_times_is_reported_not_applied():
+    losses = {s: 1.0 for s in range(1, 201)}
+    untimed = make_run(losses, {s: None for s in losses})
+    result = compare_runs(untimed, untimed)
+    assert result.passed is True
+    assert result.report["criteria"]["step_time_judged"] is False
+    assert "not applied" in result.report["criteria"]["description"]
+    assert any("seed's step-time check was not applied" in w for w in result.report["warnings"])
+    with pytest.raises(UserError, match="--max-step-time-ratio needs step times"):
+        compare_runs(untimed, untimed, max_step_time_ratio=1.0)  # asked for explicitly: bad input

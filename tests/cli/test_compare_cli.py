@@ -60,7 +60,7 @@ def test_pass_with_json_shape(runs):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)  # stdout holds the JSON object and nothing else
     assert list(report) == [
-        "baseline", "candidate", "steps_compared", "loss", "step_time_ms", "memory_mib",
+        "baseline", "candidate", "steps_compared", "criteria", "loss", "step_time_ms", "memory_mib",
         "alloc_retries", "wall_s", "warnings", "failures", "pass",
     ]  # fmt: skip
     assert set(report["loss"]) >= {
@@ -75,8 +75,14 @@ def test_pass_with_json_shape(runs):
         sum(abs(runs["close_loss"][s] - runs["base_loss"][s]) for s in range(1, 17))
         / sum(runs["base_loss"][s] for s in range(1, 17))
     )
-    # default warm-up: the first step is left out of the step-time statistics
-    assert report["step_time_ms"]["skip_steps"] == 1
+    # a short run: the seed's step-time window (steps 101..) does not exist, so the loss alone decides
+    # and the first step is left out of the step-time statistics, which are reported, not judged
+    criteria = report["criteria"]
+    assert criteria["preset"] == "short-run" and criteria["step_time_judged"] is False
+    assert criteria["skip_steps"] == 1 and criteria["max_step_time_ratio"] is None
+    assert criteria["loss_threshold"] == 0.02 and criteria["set_by_flag"] == []
+    assert report["step_time_ms"]["skip_steps"] == 1 and report["step_time_ms"]["pass"] is None
+    assert "criteria: short run (the common steps end at step 16" in result.stderr
     assert report["step_time_ms"]["baseline"]["mean"] == pytest.approx(
         np.mean([1000.0 + s for s in range(2, 17)])
     )
@@ -106,6 +112,61 @@ def test_step_time_ratio_flag(runs):
     assert report["loss"]["pass"] is True and report["step_time_ms"]["pass"] is False
     assert "exceeds --max-step-time-ratio 1.05" in slow.stderr
     assert invoke(runs["baseline"], runs["close"], "--max-step-time-ratio", "1.2").exit_code == 0
+
+
+@pytest.fixture
+def long_runs(tmp_path):
+    """The seed's setting: 2000 steps, a candidate 0.5 % slower after a slower warm-up of its own."""
+    steps = range(1, 2001)
+    loss = {s: 3.0 - 0.001 * s for s in steps}
+    base_time = {s: 900.0 if s <= 100 else 1000.0 for s in steps}
+    slow_time = {s: 800.0 if s <= 100 else 1005.0 for s in steps}  # faster overall only thanks to warm-up
+    fast_time = {s: 5000.0 if s <= 100 else 995.0 for s in steps}  # slower overall only in the warm-up
+    return {
+        "baseline": write_run_dir(tmp_path / "baseline", _records(loss, base_time)),
+        "slow": write_run_dir(tmp_path / "slow", _records(loss, slow_time)),
+        "fast": write_run_dir(tmp_path / "fast", _records(loss, fast_time)),
+    }
+
+
+def test_long_runs_get_the_seeds_criteria_by_default(long_runs):
+    slow = invoke(long_runs["baseline"], long_runs["slow"], "--json")
+    assert slow.exit_code == 1, slow.output
+    report = json.loads(slow.stdout)
+    criteria = report["criteria"]
+    assert criteria["preset"] == "seed" and criteria["step_time_judged"] is True
+    assert criteria["skip_steps"] == 100 and criteria["max_step_time_ratio"] == 1.0
+    assert report["loss"]["pass"] is True and report["step_time_ms"]["pass"] is False
+    assert report["step_time_ms"]["baseline"]["steps"] == 1900  # steps 101-2000
+    assert report["step_time_ms"]["mean_ratio"] == pytest.approx(1.005)
+    assert "exceeds the seed's limit 1" in slow.stderr
+    assert "criteria: the seed's criteria: loss difference <= 2.00% and mean step time of steps 101.." in (
+        slow.stderr.replace("\n", " ")
+    )
+    # the warm-up does not count: slower steps 1-100 with faster steps 101-2000 pass
+    fast = invoke(long_runs["baseline"], long_runs["fast"], "--json")
+    assert fast.exit_code == 0, fast.output
+    assert json.loads(fast.stdout)["step_time_ms"]["mean_ratio"] == pytest.approx(0.995)
+
+
+def test_flags_replace_the_seed_defaults_and_are_named(long_runs):
+    off = invoke(long_runs["baseline"], long_runs["slow"], "--no-step-time-check", "--json")
+    assert off.exit_code == 0, off.output
+    criteria = json.loads(off.stdout)["criteria"]
+    assert criteria["step_time_judged"] is False and criteria["set_by_flag"] == ["--no-step-time-check"]
+    assert "with --no-step-time-check" in off.stderr and "reported, not judged" in off.stderr
+    loose = json.loads(
+        invoke(long_runs["baseline"], long_runs["slow"], "--max-step-time-ratio", "1.01", "--json").stdout
+    )
+    assert loose["pass"] is True and loose["criteria"]["max_step_time_ratio"] == 1.01
+    # --skip-steps 0 puts the candidate's fast warm-up back in: it now passes on the mean
+    whole = json.loads(invoke(long_runs["baseline"], long_runs["slow"], "--skip-steps", "0", "--json").stdout)
+    assert whole["criteria"]["skip_steps"] == 0 and whole["criteria"]["max_step_time_ratio"] == 1.0
+    assert whole["pass"] is True
+    both = invoke(
+        long_runs["baseline"], long_runs["slow"], "--no-step-time-check", "--max-step-time-ratio", "1"
+    )
+    assert both.exit_code == 2 and "contradict" in both.stderr
 
 
 def test_skip_steps_changes_the_statistics(runs):

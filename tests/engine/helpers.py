@@ -35,11 +35,15 @@ def recipe_dict(model_dir: Path, output_dir: Path, **training) -> dict:
         "load": str(model_dir),
         "output_dir": str(output_dir),
         "save_interval": 0,
+        "save": "checkpoints",  # inside the run directory
         "resume": "never",
         "seed": 7,
     }
     train.update(training)
     return {
+        # per_token_loss: the loss whose gradient does not depend on how the batch is split, which
+        # is what the 1-vs-2-process, micro-batch and CP equivalence tests compare.
+        "features": {"loss_cfg": {"loss_type": "per_token_loss"}},
         "parallel": {"device": "cpu", "fsdp_plan": {"param_dtype": "fp32", "reduce_dtype": "fp32"}},
         "data": {"dataset_param": {"dataset_type": "synthetic", "basic_parameters": {"cutoff_len": 48}}},
         "model": {"model_name_or_path": str(model_dir)},

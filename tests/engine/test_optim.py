@@ -98,3 +98,16 @@ def test_fused_adamw_is_chosen_only_where_a_fused_step_really_runs(tmp_path, cap
     record_resolved(tmp_path / "run", adamw=swap.adamw_choice)  # started without the launcher
     written = json.loads((tmp_path / "run" / "run_identity.json").read_text())
     assert written == {"resolved": {"adamw": swap.adamw_choice}}
+
+
+def test_step_k_uses_the_schedule_before_its_scheduler_step_as_mindspeed_mm():
+    """The seed's 2000-step baseline (lr 1e-5, warm-up 0.1, cosine to 0): MindSpeed-MM reads the lr
+    before ``scheduler.step()``, so optimizer step k uses the value after k - 1 scheduler steps.
+    The expected values are MindSpeed-MM's, computed from its formula for those steps."""
+    t = Training(lr=1.0e-5, lr_warmup_ratio=0.1, train_iters=2000, min_lr=0.0, lr_decay_style="cosine")
+    used = {k: lr_at(k - 1, t) for k in (1, 2, 250, 500, 2000)}
+    assert used[1] == 0.0
+    assert used[2] == pytest.approx(5.0e-8, rel=1e-9)
+    assert used[250] == pytest.approx(9.981726e-6, rel=1e-6)
+    assert used[500] == pytest.approx(9.334484e-6, rel=1e-6)
+    assert used[2000] == pytest.approx(7.6e-12, rel=1e-2)

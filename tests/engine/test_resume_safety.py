@@ -147,28 +147,34 @@ def test_a_fresh_start_never_overwrites_checkpoints(base_run, tmp_path):
 def test_a_non_finite_step_stops_before_its_update_and_writes_no_checkpoint(base_run, tmp_path):
     root, _ = base_run
     run = tmp_path / "nan"
-    trainer = Trainer(make_recipe(root / "model", run, train_iters=4, save_interval=1, lr=1e30, resume="auto"))
+    trainer = Trainer(
+        make_recipe(root / "model", run, train_iters=4, save_interval=1, lr=1e30, resume="auto")
+    )
     try:
-        with pytest.raises(CheckFailed, match=r"step 2: .* is not finite; the update was not applied") as info:
+        # Step 1 runs at lr 0 (the warm-up's first value), step 2 at 1e30 blows the weights up, and
+        # step 3's loss is not finite.
+        with pytest.raises(
+            CheckFailed, match=r"step 3: .* is not finite; the update was not applied"
+        ) as info:
             trainer.train()
         params_finite = all(p.full_tensor().isfinite().all() for p in trainer.model.parameters())
     finally:
         trainer.close()
     assert "skip_nonfinite_steps" in str(info.value)
     assert params_finite, "the non-finite update reached the weights"
-    assert [p.name for _, p in ckpt.list_checkpoints(run / "checkpoints")] == ["step_1"]
+    assert [p.name for _, p in ckpt.list_checkpoints(run / "checkpoints")] == ["step_2", "step_1"]
     # Strict JSON: every line parses with a parser that refuses NaN.
     lines = (run / "metrics.jsonl").read_text().splitlines()
     for line in lines:
         json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c} in metrics.jsonl"))
-    assert _metric_steps(run / "metrics.jsonl") == [1]
+    assert _metric_steps(run / "metrics.jsonl") == [1, 2]
 
 
 def test_skip_nonfinite_steps_skips_and_logs(base_run, tmp_path):
     root, _ = base_run
     run = tmp_path / "skip"
-    records = _train(root / "model", run, 3, lr=1e30, skip_nonfinite_steps=True)
-    assert [r.get("skipped", False) for r in records] == [False, True, True]
+    records = _train(root / "model", run, 4, lr=1e30, skip_nonfinite_steps=True)
+    assert [r.get("skipped", False) for r in records] == [False, False, True, True]
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [line.get("skipped", False) for line in lines] == [False, True, True]
-    assert lines[1]["loss"] is None  # NaN is written as null
+    assert [line.get("skipped", False) for line in lines] == [False, False, True, True]
+    assert lines[2]["loss"] is None  # NaN is written as null

@@ -91,7 +91,7 @@ def test_matches_plain_transformers_loop(tiny, tmp_path):
             ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}
         ref_norms.append(float(torch.nn.utils.clip_grad_norm_(params, t.clip_grad)))
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, t)
+            group["lr"] = lr_at(step - 1, t)  # read before the scheduler steps, as MindSpeed-MM does
         opt.step()
         opt.zero_grad()
         ref_losses.append(loss.item())

@@ -92,9 +92,10 @@ def test_a_non_finite_step_exits_1_naming_the_step(trained, tmp_path):
     failed = _train(recipe, run, "training.lr=1e30", "training.save_interval=1")
     assert failed.returncode == 1, failed.stderr[-3000:]
     logs = _rank_logs(run)
-    assert "error: step 2: " in logs and "is not finite; the update was not applied" in logs
+    # Step 1 runs at lr 0 (the warm-up's first value); step 2's update at 1e30 makes step 3 non-finite.
+    assert "error: step 3: " in logs and "is not finite; the update was not applied" in logs
     assert "Traceback" not in logs
-    assert [p.name for _, p in ckpt.list_checkpoints(run / "checkpoints")] == ["step_1"]
+    assert [p.name for _, p in ckpt.list_checkpoints(run / "checkpoints")] == ["step_2", "step_1"]
     for line in (run / "metrics.jsonl").read_text().splitlines():
         json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl"))
     summary = json.loads((run / "summary.json").read_text())

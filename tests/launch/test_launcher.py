@@ -217,18 +217,26 @@ def test_pre_flight_stops_a_bad_model_directory_before_any_rank_starts(tmp_path)
 @pytest.mark.slow
 def test_a_failing_rank_is_named_with_its_own_error(tmp_path):
     """A rank's user error (weights of another model): exit 2 and that rank's message, not torchrun's traceback."""
-    from magistral_cli.testing.tiny_model import build_tiny_model, save_official_checkpoint, tiny_mistral3_config
+    from magistral_cli.testing.tiny_model import (
+        build_tiny_model,
+        save_official_checkpoint,
+        tiny_mistral3_config,
+    )
 
     for name, vocab in (("model", 512), ("other", 256)):
         save_official_checkpoint(build_tiny_model(tiny_mistral3_config(vocab_size=vocab)), tmp_path / name)
     plan = plan_launch(
-        TINY, _tiny_overrides(tmp_path, tmp_path / "model", tmp_path / "other"), LaunchOptions(nproc_per_node=2)
+        TINY,
+        _tiny_overrides(tmp_path, tmp_path / "model", tmp_path / "other"),
+        LaunchOptions(nproc_per_node=2),
     )
     console = _Lines()
     code = run_launch(plan, console)
     assert code == 2
     report = "\n".join(console.lines)
-    assert "rank 0 failed: cannot load" in report and "the checkpoint belongs to another model config" in report
+    assert (
+        "rank 0 failed: cannot load" in report and "the checkpoint belongs to another model config" in report
+    )
     assert "Traceback" not in report
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["exit_status"] == 2
@@ -238,10 +246,17 @@ def test_a_failing_rank_is_named_with_its_own_error(tmp_path):
 @pytest.mark.slow
 def test_a_killed_rank_exits_1_with_its_log_tail(tmp_path, monkeypatch):
     from magistral_cli.engine.checkpoint import FAULT_ENV
-    from magistral_cli.testing.tiny_model import build_tiny_model, save_official_checkpoint, tiny_mistral3_config
+    from magistral_cli.testing.tiny_model import (
+        build_tiny_model,
+        save_official_checkpoint,
+        tiny_mistral3_config,
+    )
 
     save_official_checkpoint(build_tiny_model(tiny_mistral3_config(vocab_size=512)), tmp_path / "model")
-    overrides = [*_tiny_overrides(tmp_path, tmp_path / "model", tmp_path / "model"), "training.save_interval=1"]
+    overrides = [
+        *_tiny_overrides(tmp_path, tmp_path / "model", tmp_path / "model"),
+        "training.save_interval=1",
+    ]
     monkeypatch.setenv(FAULT_ENV, "kill-during-save:1:0")
     plan = plan_launch(TINY, overrides, LaunchOptions(nproc_per_node=2))
     console = _Lines()
