@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from magistral_cli.errors import UserError
+
 from . import template
 from .pixtral import ImageSettings, ImageSizeError, image_token_ids, open_image_size, plan_image
 from .readers import Conversation, Drop, RecordFormat, RowSource, iter_segments, normalize_record
@@ -30,19 +32,22 @@ class EncodeParams:
     cutoff_len: int
     train_on_prompt: bool
     mask_history: bool
-    enable_thinking: bool
-    default_system: str | None
+    default_system: str  # resolved: "" = no system prompt (see template.resolve_default_system)
     dataset_dir: str
 
     @classmethod
     def from_recipe(cls, recipe, dataset_dir: Path) -> EncodeParams:
         basic = recipe.data.dataset_param.basic_parameters
+        if basic.enable_thinking and basic.default_system == "":
+            raise UserError(
+                "enable_thinking: true asks for Magistral's thinking prompt but default_system: '' removes it; "
+                "drop one of them (data.dataset_param.basic_parameters)"
+            )
         return cls(
             cutoff_len=basic.cutoff_len,
             train_on_prompt=basic.train_on_prompt,
             mask_history=basic.mask_history,
-            enable_thinking=basic.enable_thinking,
-            default_system=basic.default_system,
+            default_system=template.resolve_default_system(basic.default_system),
             dataset_dir=str(dataset_dir),
         )
 
@@ -101,7 +106,8 @@ def truncate_pairs(
 #: Part of the cache fingerprint: bump it when the same inputs would encode differently, so that
 #: entries written before are not reused. 2: an image side never resolves to 0 tokens (a 1x5000
 #: image was kept with image_sizes [1540, 0]); JSON Lines are split on bytes, not at U+2028.
-ENCODER_REVISION = 2
+#: 3: a sample without a system message gets the seed template's default system prompt.
+ENCODER_REVISION = 3
 
 
 class Encoder:
@@ -161,9 +167,7 @@ class Encoder:
             sizes.append(conv_sizes)
             if conv_sizes is None:
                 continue
-            conv.system = template.system_prompt(
-                conv.system, self.params.default_system, self.params.enable_thinking
-            )
+            conv.system = template.system_prompt(conv.system, self.params.default_system)
             if conv.system is not None:
                 texts.append(conv.system)
             for _, prompt, response in conv.turns:

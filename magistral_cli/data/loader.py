@@ -21,7 +21,7 @@ from .cache import EncodedDataset
 from .collator import COLLATORS, PixtralCollator
 from .packing import plan_packs
 from .pixtral import ImageSettings, load_pixel_values
-from .samplers import SAMPLER_TYPES, RandomBatchSampler
+from .samplers import SAMPLER_TYPES, build_sampler
 
 
 def prepare_dataset(recipe, *, show_progress: bool = True) -> EncodedDataset:
@@ -78,7 +78,8 @@ def _check_loader_options(recipe) -> None:
         raise UserError(f"dataloader_mode {dl.dataloader_mode!r} is not supported; use 'sampler'")
     if dl.sampler_type not in SAMPLER_TYPES:
         raise UserError(
-            f"sampler_type {dl.sampler_type!r} is not supported; use one of {', '.join(SAMPLER_TYPES)}"
+            f"sampler_type {dl.sampler_type!r} is not supported; use one of {', '.join(SAMPLER_TYPES)} "
+            "(data.dataloader_param.sampler_type)"
         )
     if dl.collate_param.collator_id not in COLLATORS:
         raise UserError(f"collator_id {dl.collate_param.collator_id!r} is not supported; use 'pixtral'")
@@ -100,9 +101,11 @@ def build_train_dataset(recipe, dataset: EncodedDataset) -> TrainDataset:
 def build_train_dataloader(recipe, dataset: EncodedDataset, *, dp_rank: int, dp_size: int):
     """A ``StatefulDataLoader`` of this rank's micro-batches (``training.micro_batch_size`` samples).
 
-    Seeded by ``training.seed``, sharded over ``dp_size`` ranks, ``drop_last`` and
-    ``infinite_sampler`` as the recipe says; ``state_dict()`` / ``load_state_dict()`` resume
-    exactly where the run stopped without reading the consumed samples again.
+    In the order of ``sampler_type`` (see :mod:`magistral_cli.data.samplers`: the seed's
+    ``BaseRandomBatchSampler`` ignores ``training.seed``), sharded over ``dp_size`` ranks,
+    ``drop_last`` and ``infinite_sampler`` as the recipe says; ``state_dict()`` /
+    ``load_state_dict()`` resume exactly where the run stopped without reading the consumed
+    samples again.
     """
     import torch
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -111,7 +114,8 @@ def build_train_dataloader(recipe, dataset: EncodedDataset, *, dp_rank: int, dp_
     dl = recipe.data.dataloader_param
     train = build_train_dataset(recipe, dataset)
     try:
-        sampler = RandomBatchSampler(
+        sampler = build_sampler(
+            dl.sampler_type,
             len(train),
             batch_size=recipe.training.micro_batch_size,
             num_replicas=dp_size,

@@ -135,7 +135,7 @@ def plan_preprocess(recipe, *, overwrite: bool | None = None) -> PreprocessPlan:
     for name in ("preprocessor_config.json", "processor_config.json"):
         if (model_dir / name).is_file():
             model_files[name] = sha256_file(model_dir / name)
-    settings = load_image_settings(model_dir, pre.image_min_pixels, pre.image_max_pixels)
+    settings = load_image_settings(model_dir, pre.image_min_pixels, pre.image_max_pixels, pre.image_grid)
     params = EncodeParams.from_recipe(recipe, dataset_dir)
     fmt = RecordFormat.from_attr(dp.attr)
     plan = PreprocessPlan(

@@ -2,16 +2,24 @@
 
 Magistral's vision tower cuts an image into 14x14 patches and merges 2x2 of them into one
 language-model token, so one ``[IMG]`` covers 28x28 pixels. An image of (H, W) pixels after
-resizing becomes H/28 rows of W/28 ``[IMG]`` tokens, each row followed by ``[IMG_BREAK]``;
+resizing becomes H//28 rows of W//28 ``[IMG]`` tokens, each row followed by ``[IMG_BREAK]``;
 the very last token is ``[IMG_END]`` instead.
 
-Resizing happens in two steps, exactly as in the seed's pipeline:
+Resizing happens in two steps, as in the seed's pipeline:
 
 1. ``image_min_pixels`` / ``image_max_pixels`` (LLaMA-Factory's ``_preprocess_image``): an image
    with more pixels than the maximum is scaled down, one with fewer than the minimum is scaled
-   up, both keeping the aspect ratio (sizes truncated to integers);
+   up, both keeping the aspect ratio (sizes truncated to integers), with Pillow's *nearest*
+   filter as LLaMA-Factory asks for it (``Image.Resampling.NEAREST``);
 2. the Pixtral processor: scaled down so that the longest edge fits ``longest_edge`` (1540 for
-   Magistral), then each side rounded *up* to a multiple of 28.
+   Magistral), then each side rounded *up* to the grid of ``image_grid`` and resized (bicubic):
+
+   - ``mistral_common`` (the default): a multiple of 28, as Mistral's ``ImageEncoder`` does, so
+     every pixel row belongs to a token (300x200 -> 308x224, 8 rows of 11);
+   - ``transformers``: a multiple of 14, as ``PixtralImageProcessor`` does when called on its
+     own, which is how LLaMA-Factory (the seed) calls it (300x200 -> 308x210); the patch merger
+     then drops an odd last row or column of patches, so the image has floor(side / 28) tokens a
+     side (7 rows of 11): the seed's tokens and pixels exactly.
 
 Only the sizes are needed to encode a sample; pixel values are computed in the data-loader
 workers (:func:`load_pixel_values`).
@@ -44,12 +52,18 @@ class ImageSettings:
     rescale_factor: float = 1 / 255
     min_pixels: int = 1024
     max_pixels: int = 262144
+    grid: str = "mistral_common"
     source: str = "defaults"
 
     @property
     def token_pixels(self) -> int:
         """Pixels per image token along each side (28 for Magistral)."""
         return self.patch_size * self.spatial_merge_size
+
+    @property
+    def size_multiple(self) -> int:
+        """What each resized side is rounded up to: a token (mistral_common) or a patch (transformers)."""
+        return self.patch_size if self.grid == "transformers" else self.token_pixels
 
     def fingerprint_fields(self) -> dict:
         fields = asdict(self)
@@ -64,7 +78,12 @@ def _read_json(path: Path) -> dict:
         raise UserError(f"cannot read {path}: {exc}") from None
 
 
-def load_image_settings(model_dir: str | Path, min_pixels: int, max_pixels: int) -> ImageSettings:
+IMAGE_GRIDS = ("mistral_common", "transformers")
+
+
+def load_image_settings(
+    model_dir: str | Path, min_pixels: int, max_pixels: int, grid: str = "mistral_common"
+) -> ImageSettings:
     """Processor settings from the model directory.
 
     Preference: the third-party ``preprocessor_config.json`` (+ ``processor_config.json``) when
@@ -121,7 +140,9 @@ def load_image_settings(model_dir: str | Path, min_pixels: int, max_pixels: int)
     for key in ("patch_size", "spatial_merge_size", "longest_edge"):
         if not isinstance(values.get(key), int) or values[key] < 1:
             raise UserError(f"{model_dir}/{values['source']}: missing or invalid {key} ({values.get(key)!r})")
-    settings = ImageSettings(min_pixels=min_pixels, max_pixels=max_pixels, **values)
+    if grid not in IMAGE_GRIDS:
+        raise UserError(f"image_grid {grid!r} is not one of {', '.join(IMAGE_GRIDS)}")
+    settings = ImageSettings(min_pixels=min_pixels, max_pixels=max_pixels, grid=grid, **values)
     if isinstance(model_patch, int) and isinstance(model_merge, int):
         model_token = model_patch * model_merge
         if settings.token_pixels != model_token:
@@ -147,8 +168,8 @@ def limit_pixels(width: int, height: int, min_pixels: int, max_pixels: int) -> t
     return width, height
 
 
-def pixtral_size(width: int, height: int, longest_edge: int, token_pixels: int) -> tuple[int, int]:
-    """The Pixtral processor's output (height, width): fit ``longest_edge``, round up to the token size.
+def pixtral_size(width: int, height: int, longest_edge: int, multiple: int) -> tuple[int, int]:
+    """The Pixtral processor's output (height, width): fit ``longest_edge``, round up to ``multiple``.
 
     Each side keeps at least one pixel, hence one token, as mistral-common's ``ImageEncoder``
     clamps (``max(round(w / ratio), 1)``): without it a 1 x 5000 image fitted to 1540 pixels
@@ -159,9 +180,9 @@ def pixtral_size(width: int, height: int, longest_edge: int, token_pixels: int) 
         # floor, not round: the result must not exceed longest_edge (transformers does the same)
         height = max(1, int(math.floor(height / ratio)))
         width = max(1, int(math.floor(width / ratio)))
-    rows = (height - 1) // token_pixels + 1
-    cols = (width - 1) // token_pixels + 1
-    return rows * token_pixels, cols * token_pixels
+    rows = (height - 1) // multiple + 1
+    cols = (width - 1) // multiple + 1
+    return rows * multiple, cols * multiple
 
 
 class ImageSizeError(ValueError):
@@ -181,13 +202,15 @@ def plan_image(width: int, height: int, settings: ImageSettings) -> ImagePlan:
     """Sizes an image of ``width`` x ``height`` goes through.
 
     Raises :class:`ImageSizeError` if the result would have no image token on a side (which
-    the clamping above rules out for any image with pixels): such a sample must be dropped,
-    never kept with ``image_sizes`` that the vision tower cannot take.
+    the clamping above rules out on the default grid for any image with pixels; on the
+    ``transformers`` grid a side resized to 14 px has none, where the seed's Pixtral plugin
+    would fail on an empty token list): such a sample must be dropped, never kept with
+    ``image_sizes`` that the vision tower cannot take.
     """
     if width < 1 or height < 1:
         raise ImageSizeError(f"image has no pixels ({width}x{height})")
     limited = limit_pixels(width, height, settings.min_pixels, settings.max_pixels)
-    h, w = pixtral_size(limited[0], limited[1], settings.longest_edge, settings.token_pixels)
+    h, w = pixtral_size(limited[0], limited[1], settings.longest_edge, settings.size_multiple)
     if h < settings.token_pixels or w < settings.token_pixels:
         raise ImageSizeError(f"image {width}x{height} resizes to {h}x{w}, less than one image token a side")
     return ImagePlan(limited, h, w)
@@ -196,7 +219,11 @@ def plan_image(width: int, height: int, settings: ImageSettings) -> ImagePlan:
 def image_token_ids(
     height: int, width: int, token_pixels: int, img: int, img_break: int, img_end: int
 ) -> list[int]:
-    """``[IMG]`` x cols + ``[IMG_BREAK]`` per row; the last token is ``[IMG_END]``."""
+    """``[IMG]`` x cols + ``[IMG_BREAK]`` per row; the last token is ``[IMG_END]``.
+
+    Rows and columns are floored, as the patch merger and the seed's Pixtral plugin count them
+    (a side of 210 px is 7 rows, its last 14 px row of patches has no token).
+    """
     rows, cols = height // token_pixels, width // token_pixels
     ids = ([img] * cols + [img_break]) * rows
     ids[-1] = img_end
@@ -233,8 +260,9 @@ def load_pixel_values(
         image = source
         plan = plan_image(image.width, image.height, settings)
         if plan.limited != image.size:
-            # Pillow's default filter, as LLaMA-Factory calls it (bicubic; nearest for modes 1 and P).
-            image = image.resize(plan.limited)
+            # LLaMA-Factory's filter (MindSpeed-MM's _preprocess_image, resample=True): nearest,
+            # on the image in its own mode, before the conversion to RGB.
+            image = image.resize(plan.limited, resample=Image.Resampling.NEAREST)
         if image.mode != "RGB":
             image = image.convert("RGB")
         if (plan.width, plan.height) != image.size:

@@ -2,8 +2,11 @@
 
 ``<s>[SYSTEM_PROMPT]system[/SYSTEM_PROMPT][INST]user[/INST]assistant</s>[INST]user[/INST]assistant</s>``
 
-- The system block appears only when there is a system prompt (from the record, else
-  ``default_system``, else Magistral's thinking prompt when ``enable_thinking`` is set).
+- The system block holds the record's own system prompt, else the recipe's ``default_system``,
+  which is, unless the recipe sets it, the seed template's default: Magistral's thinking prompt
+  (as LLaMA-Factory's ``system or default_system``). So a sample without a system message gets
+  the ~119-token thinking block, whatever ``enable_thinking`` says (the seed's template is not
+  a reasoning template; that flag changes nothing there). ``default_system: ""`` removes it.
 - A tool result (``observation`` role) is ``[TOOL_RESULTS]content[/TOOL_RESULTS]``, the
   layout of tokenizer v13 (Magistral-Small-2509's); the seed's LLaMA-Factory template wrapped
   it as ``{"content": ...}``, which mistral-common never produces.
@@ -18,7 +21,10 @@ from __future__ import annotations
 
 from .tokenizer import SpecialIds
 
-#: The seed template's default system prompt (Magistral's reasoning instructions).
+#: The seed template's ``default_system`` (Magistral's reasoning instructions, as its model card
+#: recommends them), character for character, trailing space included. ``[THINK]`` and
+#: ``[/THINK]`` are written as text: the tokenizer maps them to their special ids, as the seed's
+#: Hugging Face tokenizer does (unless ``split_special_tokens``).
 MAGISTRAL_THINKING_PROMPT = (
     "First draft your thinking process (inner monologue) until you arrive at a response. Format your "
     "response using Markdown, and use LaTeX for any mathematical equations. Write both your thoughts and "
@@ -42,13 +48,14 @@ def check_template(name: str) -> None:
         )
 
 
-def system_prompt(record_system: str | None, default_system: str | None, enable_thinking: bool) -> str | None:
-    """The system prompt of a sample: its own, else the recipe's default, else the thinking prompt."""
-    if record_system:
-        return record_system
-    if default_system:
-        return default_system
-    return MAGISTRAL_THINKING_PROMPT if enable_thinking else None
+def resolve_default_system(recipe_value: str | None) -> str:
+    """The default system prompt a recipe asks for: unset (None) means the seed template's."""
+    return MAGISTRAL_THINKING_PROMPT if recipe_value is None else recipe_value
+
+
+def system_prompt(record_system: str | None, default_system: str) -> str | None:
+    """The system prompt of a sample: its own, else the default; None (no block) when both are empty."""
+    return record_system or default_system or None
 
 
 def prefix_ids(special: SpecialIds, system_ids: list[int] | None) -> list[int]:

@@ -54,7 +54,7 @@ training:
 
 def _encoder(model_dir, tokenizer, dataset_dir) -> Encoder:
     settings = load_image_settings(model_dir, 1024, 262144)
-    params = EncodeParams(2048, False, False, False, None, str(dataset_dir))
+    params = EncodeParams(2048, False, False, "", str(dataset_dir))
     return Encoder(tokenizer, settings, params, RecordFormat.from_attr(DatasetAttr()))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +16,8 @@ from magistral_cli.data.readers import Drop, RecordFormat, RowSource, read_rows
 from magistral_cli.data.template import MAGISTRAL_THINKING_PROMPT
 from magistral_cli.errors import UserError
 
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
 TWO_TURNS = {
     "messages": [
         {"role": "user", "content": "one"},
@@ -26,9 +29,8 @@ TWO_TURNS = {
 
 
 def encode(model_dir, tokenizer, record, dataset_dir=".", attr=None, **params):
-    values = dict(
-        cutoff_len=2048, train_on_prompt=False, mask_history=False, enable_thinking=False, default_system=None
-    )
+    # default_system "" (no system prompt) keeps the expected texts short; the default is tested below.
+    values = dict(cutoff_len=2048, train_on_prompt=False, mask_history=False, default_system="")
     values.update(params)
     encoder = Encoder(
         tokenizer,
@@ -57,18 +59,55 @@ def test_train_on_prompt_and_mask_history(model_dir, tokenizer):
     assert last_only.input_ids.tolist() == encode(model_dir, tokenizer, TWO_TURNS).input_ids.tolist()
 
 
+def _params_of(make_recipe, model_dir, tmp_path, **basic) -> EncodeParams:
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text(json.dumps(TWO_TURNS) + "\n", encoding="utf-8")
+    return EncodeParams.from_recipe(make_recipe(model_dir, dataset, tmp_path, basic=basic), tmp_path)
+
+
+def test_seed_default_system_prompt_is_the_seeds_text():
+    """Character for character the seed template's default_system (copied into the fixture)."""
+    seed = json.loads((FIXTURES / "seed_template_mistral.json").read_text(encoding="utf-8"))
+    assert seed["default_system"] == MAGISTRAL_THINKING_PROMPT
+
+
+def test_recipe_default_system_spellings(make_recipe, model_dir, tmp_path):
+    """Absent or null: the seed's thinking prompt, whatever enable_thinking says; '': none."""
+    absent = _params_of(make_recipe, model_dir, tmp_path)
+    assert absent.default_system == MAGISTRAL_THINKING_PROMPT
+    for basic in ({"default_system": None}, {"enable_thinking": True}, {"enable_thinking": False}):
+        assert _params_of(make_recipe, model_dir, tmp_path, **basic) == absent
+    assert _params_of(make_recipe, model_dir, tmp_path, default_system="").default_system == ""
+    assert (
+        _params_of(make_recipe, model_dir, tmp_path, default_system="Be brief.").default_system == "Be brief."
+    )
+    with pytest.raises(UserError, match="enable_thinking: true .* default_system: ''"):
+        _params_of(make_recipe, model_dir, tmp_path, default_system="", enable_thinking=True)
+
+
 def test_system_prompt_sources(model_dir, tokenizer):
+    special = tokenizer.special
+    seeds = encode(model_dir, tokenizer, TWO_TURNS, default_system=MAGISTRAL_THINKING_PROMPT)
+    prompt_ids = tokenizer.encode(MAGISTRAL_THINKING_PROMPT)
+    block = [special.bos, special.system, *prompt_ids, special.system_end, special.inst]
+    assert seeds.input_ids[: len(block)].tolist() == block
     plain = encode(model_dir, tokenizer, TWO_TURNS)
-    assert tokenizer.special.system not in plain.input_ids
+    assert special.system not in plain.input_ids
+    assert len(seeds.input_ids) == len(plain.input_ids) + len(prompt_ids) + 2
     default = encode(model_dir, tokenizer, TWO_TURNS, default_system="Be brief.")
     assert tokenizer.decode(default.input_ids.tolist()).startswith(
         "<s>[SYSTEM_PROMPT]Be brief.[/SYSTEM_PROMPT][INST]"
     )
-    thinking = encode(model_dir, tokenizer, TWO_TURNS, enable_thinking=True)
-    assert MAGISTRAL_THINKING_PROMPT in tokenizer.decode(thinking.input_ids.tolist())
     own = dict(TWO_TURNS, messages=[{"role": "system", "content": "Own."}, *TWO_TURNS["messages"]])
-    assert "[SYSTEM_PROMPT]Own.[/SYSTEM_PROMPT]" in tokenizer.decode(
-        encode(model_dir, tokenizer, own, enable_thinking=True).input_ids.tolist()
+    text = tokenizer.decode(
+        encode(model_dir, tokenizer, own, default_system=MAGISTRAL_THINKING_PROMPT).input_ids.tolist()
+    )
+    assert "[SYSTEM_PROMPT]Own.[/SYSTEM_PROMPT]" in text and "thinking" not in text
+    # An empty system message of the record falls back to the default (LLaMA-Factory's `system or default`).
+    empty = dict(TWO_TURNS, messages=[{"role": "system", "content": ""}, *TWO_TURNS["messages"]])
+    assert (
+        encode(model_dir, tokenizer, empty, default_system="Be brief.").input_ids.tolist()
+        == default.input_ids.tolist()
     )
 
 

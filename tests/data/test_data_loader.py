@@ -12,7 +12,13 @@ import torch
 from magistral_cli.data import loader as loader_module
 from magistral_cli.data.loader import TrainDataset, build_train_dataloader, prepare_dataset
 from magistral_cli.data.pixtral import load_pixel_values
-from magistral_cli.data.samplers import RandomBatchSampler
+from magistral_cli.data.samplers import (
+    SAMPLER_TYPES,
+    BaseRandomBatchSampler,
+    MagistralRandomBatchSampler,
+    SeedRandomBatchSampler,
+    build_sampler,
+)
 from magistral_cli.errors import UserError
 
 
@@ -102,6 +108,48 @@ def test_batches_run_through_a_real_mistral3(recipe_for, encoded, tiny_model):
     assert seen_images >= 2
 
 
+def test_transformers_grid_runs_through_a_real_mistral3(
+    model_dir, broken_dataset, cache_dir, make_recipe, tiny_model
+):
+    """image_grid: transformers (the seed's tokens): sides on the 14-px grid, floor(side / 28)
+    [IMG] a side; the real vision tower + patch merger make exactly as many features. With the
+    sizes of the 28-px grid (one more merged row for a 210-px side), transformers refuses it."""
+    recipe = make_recipe(
+        model_dir,
+        broken_dataset,
+        cache_dir,
+        pre={"image_max_pixels": 50176, "image_grid": "transformers"},
+        training={"micro_batch_size": 4},
+        loader={"shuffle": False},
+    )
+    seed_grid = prepare_dataset(recipe, show_progress=False)
+    default = prepare_dataset(
+        make_recipe(model_dir, broken_dataset, cache_dir, pre={"image_max_pixels": 50176})
+    )
+    assert seed_grid.path != default.path  # the grid is part of the fingerprint
+    sizes = [tuple(int(v) for v in size) for i in range(len(seed_grid)) for size in seed_grid[i].image_sizes]
+    assert any(h % 28 or w % 28 for h, w in sizes) and all(h % 14 == w % 14 == 0 for h, w in sizes)
+    odd = None
+    for batch in build_train_dataloader(recipe, seed_grid, dp_rank=0, dp_size=1):
+        _check_batch(batch, 4)
+        if "image_sizes" not in batch:
+            continue
+        with torch.no_grad():
+            out = tiny_model(
+                **{k: batch[k] for k in ("input_ids", "attention_mask", "labels")},
+                pixel_values=batch["pixel_values"],
+                image_sizes=batch["image_sizes"],
+            )
+        assert torch.isfinite(out.loss)
+        if odd is None and ((batch["image_sizes"] % 28) != 0).any():
+            odd = batch
+    assert odd is not None
+    rounded = -(-odd["image_sizes"] // 28) * 28
+    pixels = torch.nn.functional.pad(odd["pixel_values"], (0, 28, 0, 28))
+    with pytest.raises(ValueError, match="do not match"), torch.no_grad():
+        tiny_model(input_ids=odd["input_ids"], pixel_values=pixels, image_sizes=rounded)
+
+
 def test_pixel_values_follow_image_block_order(recipe_for, encoded):
     recipe = recipe_for(training={"micro_batch_size": 4}, loader={"shuffle": False})
     batches = list(islice(build_train_dataloader(recipe, encoded, dp_rank=0, dp_size=1), 3))
@@ -150,29 +198,158 @@ def test_neat_packing_and_unknown_options_are_refused(recipe_for, encoded):
 # ----------------------------------------------------------------------------- sampler
 
 
+def _seed_expectation(perm: list[int], step: int, rank: int, batch: int, replicas: int) -> list[int]:
+    """Step ``step`` of rank ``rank`` in the seed's split: every ``replicas``-th pick from the rank on."""
+    base = step * batch * replicas + rank
+    return [perm[base + j * replicas] for j in range(batch)]
+
+
+@pytest.mark.parametrize("recipe_seed", [42, 7])
+def test_base_sampler_first_epoch_is_torch_manual_seed_0(recipe_seed):
+    """BaseRandomBatchSampler (the seed's default) shuffles epoch e with manual_seed(e): the
+    recipe seed changes nothing. 50 samples, micro-batch 2, 4 ranks: the permutation covers
+    50 // 2 * 2 = 50 indices, an epoch is the 6 whole global batches of 8."""
+    torch.manual_seed(0)
+    perm0 = torch.randperm(50).tolist()
+    torch.manual_seed(1)
+    perm1 = torch.randperm(50).tolist()
+    for rank in range(4):
+        sampler = BaseRandomBatchSampler(50, 2, num_replicas=4, rank=rank, seed=recipe_seed)
+        epochs = list(sampler), list(sampler)
+        assert epochs[0] == [_seed_expectation(perm0, k, rank, 2, 4) for k in range(6)]
+        assert epochs[1] == [_seed_expectation(perm1, k, rank, 2, 4) for k in range(6)]
+
+
+def test_seed_sampler_mixes_epoch_and_seed_with_seedsequence():
+    def perm(epoch, seed):
+        state = np.random.SeedSequence([epoch, seed]).generate_state(1, dtype=np.uint32)[0]
+        torch.manual_seed(int(state))
+        return torch.randperm(48).tolist()
+
+    sampler = SeedRandomBatchSampler(48, 4, num_replicas=2, rank=1, seed=42)
+    assert list(sampler) == [_seed_expectation(perm(0, 42), k, 1, 4, 2) for k in range(6)]
+    assert list(sampler) == [_seed_expectation(perm(1, 42), k, 1, 4, 2) for k in range(6)]
+    other = list(SeedRandomBatchSampler(48, 4, num_replicas=2, rank=1, seed=43))
+    assert other != list(SeedRandomBatchSampler(48, 4, num_replicas=2, rank=1, seed=42))
+    with pytest.raises(ValueError, match="seed >= 0"):
+        SeedRandomBatchSampler(48, 4, seed=-1)
+
+
+def test_magistral_sampler_shuffles_with_seed_plus_epoch():
+    generator = torch.Generator().manual_seed(42 + 1)
+    perm = torch.randperm(40, generator=generator)
+    sampler = MagistralRandomBatchSampler(40, 4, num_replicas=2, rank=1, seed=42)
+    list(sampler)
+    assert list(sampler) == perm.view(5, 2, 4)[:, 1].tolist()
+
+
+def test_seed_sampler_tail_goes_to_the_first_ranks():
+    """7 samples, micro-batch 1, 3 ranks: an epoch is 6 samples (2 steps) but the permutation
+    has 7, so rank 0 finds a third pick, perm[6]. The seed yields it as rank 0's next step,
+    while ranks 1 and 2 start epoch 1; rank 0's consumed_samples is then one step ahead, so it
+    skips its share of epoch 1's first step. Reproduced, across passes and when infinite."""
+    perms = []
+    for epoch in range(3):
+        torch.manual_seed(epoch)
+        perms.append(torch.randperm(7).tolist())
+    p0, p1, p2 = perms
+    expected = {
+        0: [[p0[0]], [p0[3]], [p0[6]], [p1[3]], [p1[6]], [p2[3]], [p2[6]]],
+        1: [[p0[1]], [p0[4]], [p1[1]], [p1[4]], [p2[1]], [p2[4]]],
+        2: [[p0[2]], [p0[5]], [p1[2]], [p1[5]], [p2[2]], [p2[5]]],
+    }
+    for rank, want in expected.items():
+        finite = BaseRandomBatchSampler(7, 1, num_replicas=3, rank=rank)
+        passes = [batch for _ in range(3) for batch in finite]
+        assert passes == want
+        infinite = BaseRandomBatchSampler(7, 1, num_replicas=3, rank=rank, infinite=True)
+        assert list(islice(infinite, len(want))) == want
+
+
+@pytest.mark.parametrize("name", SAMPLER_TYPES)
+@pytest.mark.parametrize(("total", "batch", "replicas"), [(7, 1, 3), (50, 2, 4), (51, 3, 2)])
+def test_sampler_resumes_exactly_after_every_step(name, total, batch, replicas):
+    """State after k steps, loaded into a fresh sampler, continues as the uninterrupted one,
+    also right before the seed's extra tail step (where the seed's own resume loses it)."""
+    for rank in range(replicas):
+        options = dict(num_replicas=replicas, rank=rank, seed=17, infinite=True)
+        want = list(islice(build_sampler(name, total, batch, **options), 24))
+        for k in range(16):
+            first = build_sampler(name, total, batch, **options)
+            iterator = iter(first)
+            list(islice(iterator, k))
+            restored = build_sampler(name, total, batch, **options)
+            restored.load_state_dict(first.state_dict())
+            assert list(islice(iter(restored), 8)) == want[k : k + 8], (rank, k)
+
+
+def test_sampler_state_of_another_order_is_refused():
+    state = MagistralRandomBatchSampler(40, 4).state_dict()
+    with pytest.raises(ValueError, match="sampler_type=MagistralRandomBatchSampler"):
+        BaseRandomBatchSampler(40, 4).load_state_dict(state)
+    legacy = {"epoch": 1, "position": 2, "seed": 0, "num_samples": 40}  # written before sampler_type existed
+    sampler = MagistralRandomBatchSampler(40, 4)
+    sampler.load_state_dict(legacy)
+    assert (sampler.epoch, sampler.position) == (1, 2)
+    with pytest.raises(ValueError, match="the dataset or seed changed"):
+        SeedRandomBatchSampler(40, 4, seed=1).load_state_dict(SeedRandomBatchSampler(40, 4).state_dict())
+    # BaseRandomBatchSampler ignores the seed, so another seed resumes the same order.
+    BaseRandomBatchSampler(40, 4, seed=1).load_state_dict(BaseRandomBatchSampler(40, 4).state_dict())
+
+
+@pytest.mark.parametrize("name", SAMPLER_TYPES)
 @pytest.mark.parametrize("shuffle", [False, True])
 @pytest.mark.parametrize("rank", [0, 3])
-@pytest.mark.parametrize("total", [50, 96])
-def test_infinite_order_equals_consecutive_finite_epochs(shuffle, rank, total):
-    options = dict(batch_size=4, num_replicas=4, rank=rank, shuffle=shuffle, seed=17)
-    finite = RandomBatchSampler(total, **options)
-    expected = [batch for _ in range(4) for batch in finite]
-    infinite = RandomBatchSampler(total, infinite=True, **options)
+@pytest.mark.parametrize(("total", "batch"), [(50, 4), (96, 4), (50, 1)])
+def test_infinite_order_equals_consecutive_finite_epochs(name, shuffle, rank, total, batch):
+    options = dict(num_replicas=4, rank=rank, shuffle=shuffle, seed=17)
+    finite = build_sampler(name, total, batch, **options)
+    expected = [b for _ in range(4) for b in finite]
+    infinite = build_sampler(name, total, batch, infinite=True, **options)
     assert list(islice(infinite, len(expected))) == expected
-    assert finite.epoch == 3
 
 
 def test_ranks_split_each_global_batch_and_drop_the_tail():
-    ranks = [RandomBatchSampler(50, 4, num_replicas=3, rank=r, seed=5) for r in range(3)]
-    epochs = [list(s) for s in ranks]
-    assert all(len(e) == 50 // 12 for e in epochs)
-    seen = [i for step in zip(*epochs, strict=True) for batch in step for i in batch]
-    assert len(seen) == len(set(seen)) == 48
-    # the same global batch as one rank with a 3x larger micro-batch
-    single = list(RandomBatchSampler(50, 12, num_replicas=1, rank=0, seed=5))
-    assert [sorted(sum(step, [])) for step in zip(*epochs, strict=True)] == [sorted(b) for b in single]
-    padded = list(RandomBatchSampler(50, 4, num_replicas=3, rank=2, seed=5, drop_last=False))
+    for cls in (MagistralRandomBatchSampler, BaseRandomBatchSampler):
+        ranks = [cls(50, 4, num_replicas=3, rank=r, seed=5) for r in range(3)]
+        epochs = [list(s) for s in ranks]
+        assert all(len(e) == 50 // 12 for e in epochs)
+        seen = [i for step in zip(*epochs, strict=True) for batch in step for i in batch]
+        assert len(seen) == len(set(seen)) == 48
+        # the same global batch as one rank with a 3x larger micro-batch
+        single = list(cls(50, 12, num_replicas=1, rank=0, seed=5))
+        if cls is MagistralRandomBatchSampler:  # (the seed's permutation length depends on the micro-batch)
+            assert [sorted(sum(step, [])) for step in zip(*epochs, strict=True)] == [
+                sorted(b) for b in single
+            ]
+    padded = list(MagistralRandomBatchSampler(50, 4, num_replicas=3, rank=2, seed=5, drop_last=False))
     assert len(padded) == 5
+    with pytest.raises(ValueError, match="drop_last"):
+        BaseRandomBatchSampler(50, 4, drop_last=False)
+
+
+def test_loader_uses_the_named_sampler_and_refuses_others(recipe_for, encoded):
+    """The seed's default sampler through the real loader: batch k holds encoded samples
+    perm[4k : 4k + 4] of torch.manual_seed(0), whatever training.seed is."""
+    recipe = recipe_for(training={"micro_batch_size": 4, "seed": 42})
+    torch.manual_seed(0)
+    perm = torch.randperm(len(encoded)).tolist()
+    for k, batch in enumerate(islice(build_train_dataloader(recipe, encoded, dp_rank=0, dp_size=1), 3)):
+        for row, index in enumerate(perm[4 * k : 4 * k + 4]):
+            ids = encoded[index].input_ids
+            assert batch["input_ids"][row, : len(ids)].tolist() == ids.tolist()
+    with pytest.raises(
+        UserError, match="BaseRandomBatchSampler, SeedRandomBatchSampler, MagistralRandomBatchSampler"
+    ):
+        build_train_dataloader(
+            recipe_for(loader={"sampler_type": "RandomSampler"}), encoded, dp_rank=0, dp_size=1
+        )
+    with pytest.raises(UserError, match="drop_last"):
+        build_train_dataloader(recipe_for(loader={"drop_last": False}), encoded, dp_rank=0, dp_size=1)
+    magistral = recipe_for(loader={"sampler_type": "MagistralRandomBatchSampler", "drop_last": False})
+    assert (
+        len(build_train_dataloader(magistral, encoded, dp_rank=0, dp_size=3)) == 7
+    )  # 40 / (2 x 3), rounded up
 
 
 # ----------------------------------------------------------------------------- resume

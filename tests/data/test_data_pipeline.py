@@ -133,7 +133,11 @@ def test_cli_json_inspect_export_and_strict(tmp_path, model_dir, broken_dataset)
     payload = json.loads(result.stdout)
     assert payload["reused"] is False and payload["report"]["kept"] == 40
     text = payload["inspect"][0]["text"]
-    assert text.startswith("<s>[INST]") and "[IMG_END]" in text and "\u27e6" in text and "</s>\u27e7" in text
+    # No system message in the rows: the seed template's default system prompt (Magistral's thinking prompt).
+    assert text.startswith("<s>[SYSTEM_PROMPT]First draft your thinking process")
+    assert (
+        "[/SYSTEM_PROMPT][INST]" in text and "[IMG_END]" in text and "\u27e6" in text and "</s>\u27e7" in text
+    )
     lines = export.read_text().splitlines()
     assert len(lines) == 40
     first = json.loads(lines[0])

@@ -41,9 +41,9 @@ def images(tmp_path_factory):
     return paths
 
 
-def _ours(model_dir, tokenizer, record, dataset_dir) -> EncodedSample:
+def _ours(model_dir, tokenizer, record, dataset_dir, default_system="") -> EncodedSample:
     settings = load_image_settings(model_dir, 1024, 262144)
-    params = EncodeParams(8192, False, False, False, None, str(dataset_dir))
+    params = EncodeParams(8192, False, False, default_system, str(dataset_dir))
     encoder = Encoder(tokenizer, settings, params, RecordFormat.from_attr(DatasetAttr()))
     result = encoder.encode_rows([RowSource(0, record)])[0]
     assert isinstance(result, EncodedSample), result
@@ -144,3 +144,87 @@ def test_known_difference_trailing_image(model_dir, tokenizer, reference, images
     special = tokenizer.special
     # ours: [INST] text [IMG]... ; theirs: [INST] [IMG]... text
     assert ours.input_ids[2] != special.img and theirs[2] == special.img
+
+
+# ----------------------------------------------------------------------------- the seed's default system prompt
+
+#: Magistral-Small-2509's special tokens below 36 (tokenizer v13); the rest are <SPECIAL_n>.
+V13_SPECIALS = {
+    **dict(
+        enumerate(["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]"])
+    ),
+    7: "[TOOL_RESULTS]",
+    8: "[/TOOL_RESULTS]",
+    9: "[TOOL_CALLS]",
+    10: "[IMG]",
+    11: "<pad>",
+    12: "[IMG_BREAK]",
+    13: "[IMG_END]",
+    14: "[PREFIX]",
+    15: "[MIDDLE]",
+    16: "[SUFFIX]",
+    17: "[SYSTEM_PROMPT]",
+    18: "[/SYSTEM_PROMPT]",
+    19: "[TOOL_CONTENT]",
+    32: "[ARGS]",
+    33: "[CALL_ID]",
+    34: "[THINK]",
+    35: "[/THINK]",
+}
+
+
+@pytest.fixture(scope="module")
+def v13_model_dir(model_dir, tmp_path_factory):
+    """The tiny model with a v13 tekken.json (Magistral's version: [THINK] is a special token)."""
+    import json
+
+    path = tmp_path_factory.mktemp("v13")
+    (path / "config.json").write_text((model_dir / "config.json").read_text())
+    data = json.loads((model_dir / "tekken.json").read_text(encoding="utf-8"))
+    data["config"]["version"] = "v13"
+    count = data["config"]["default_num_special_tokens"]
+    data["special_tokens"] = [
+        {"rank": i, "token_str": V13_SPECIALS.get(i, f"<SPECIAL_{i}>"), "is_control": True}
+        for i in range(count)
+    ]
+    (path / "tekken.json").write_text(json.dumps(data), encoding="utf-8")
+    return path
+
+
+def test_default_system_prompt_equals_mistral_common_think_chunks(v13_model_dir, tmp_path):
+    """A row without a system message gets the seed's default system prompt: the same ids as
+    mistral-common's system message of text + ThinkChunk + text (how Magistral's own
+    SYSTEM_PROMPT.txt is meant), with [THINK] / [/THINK] as special tokens."""
+    import json
+    from pathlib import Path
+
+    from mistral_common.protocol.instruct.chunk import TextChunk, ThinkChunk
+    from mistral_common.protocol.instruct.messages import AssistantMessage, SystemMessage, UserMessage
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+    from mistral_common.protocol.instruct.validator import ValidationMode
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    from magistral_cli.data.template import resolve_default_system
+    from magistral_cli.data.tokenizer import load_tokenizer
+
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "seed_template_mistral.json"
+    seed_prompt = json.loads(fixture.read_text(encoding="utf-8"))["default_system"]
+    before, rest = seed_prompt.split("[THINK]")
+    thinking, after = rest.split("[/THINK]")
+    reference = MistralTokenizer.from_file(str(v13_model_dir / "tekken.json"), mode=ValidationMode.finetuning)
+    system = SystemMessage(
+        content=[TextChunk(text=before), ThinkChunk(thinking=thinking, closed=True), TextChunk(text=after)]
+    )
+    turns = [UserMessage(content="Hello there!"), AssistantMessage(content="Hi.")]
+    theirs = reference.encode_chat_completion(ChatCompletionRequest(messages=[system, *turns])).tokens
+
+    tokenizer = load_tokenizer(v13_model_dir)
+    record = {
+        "messages": [{"role": "user", "content": "Hello there!"}, {"role": "assistant", "content": "Hi."}]
+    }
+    ours = _ours(v13_model_dir, tokenizer, record, tmp_path, default_system=resolve_default_system(None))
+    assert ours.input_ids.tolist() == theirs
+    assert 34 in theirs and 35 in theirs  # [THINK] / [/THINK] are special ids, not text
+    without = _ours(v13_model_dir, tokenizer, record, tmp_path, default_system="")
+    no_system = reference.encode_chat_completion(ChatCompletionRequest(messages=turns)).tokens
+    assert without.input_ids.tolist() == no_system and len(theirs) > len(no_system) + 100
