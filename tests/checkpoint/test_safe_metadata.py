@@ -224,6 +224,7 @@ def _training_recipe(model_dir: Path, run_dir: Path):
             "load": str(model_dir),
             "output_dir": str(run_dir),
             "save_interval": 1,
+            "save": "checkpoints",
             "resume": "never",
             "seed": 7,
         },
