@@ -64,3 +64,48 @@ def full_params(model) -> dict:
         value = param.full_tensor() if hasattr(param, "full_tensor") else param
         out[name] = value.detach().clone().cpu()
     return out
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def train_command(recipe: Path, run_dir: Path, *overrides: str) -> list[str]:
+    """`magistral train RECIPE --nproc-per-node 2` into ``run_dir``, from this source tree."""
+    import sys
+
+    return [
+        sys.executable,
+        "-c",
+        "from magistral_cli.cli.main import main; main()",
+        "train",
+        str(recipe),
+        "--nproc-per-node",
+        "2",
+        f"training.output_dir={run_dir}",
+        *overrides,
+    ]
+
+
+def train_env(**extra: str) -> dict[str, str]:
+    """This process's environment, less any fault injection, with the source tree importable."""
+    import os
+
+    from magistral_cli.engine.checkpoint import FAULT_ENV
+
+    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+    env.update(PYTHONPATH=str(REPO), **extra)
+    return env
+
+
+def run_train(recipe: Path, run_dir: Path, *overrides: str, env: dict | None = None):
+    """Run `magistral train` on 2 CPU processes to its end; the CompletedProcess (output captured)."""
+    import subprocess
+
+    return subprocess.run(
+        train_command(recipe, run_dir, *overrides),
+        env=train_env(**(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )

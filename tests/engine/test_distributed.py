@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,32 +13,15 @@ import yaml
 from magistral_cli.engine.checkpoint import FAULT_ENV
 from magistral_cli.engine.trainer import Trainer
 
-from .helpers import make_recipe, recipe_dict, write_tiny_model
+from .helpers import make_recipe, recipe_dict, run_train, train_command, write_tiny_model
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 5
 
 
-def _train_command(recipe: Path, run_dir: Path) -> list[str]:
-    """`magistral train RECIPE --nproc-per-node 2` into ``run_dir``, from this source tree."""
-    return [
-        sys.executable,
-        "-c",
-        "from magistral_cli.cli.main import main; main()",
-        "train",
-        str(recipe),
-        "--nproc-per-node",
-        "2",
-        f"training.output_dir={run_dir}",
-    ]
-
-
 def _train(recipe: Path, run_dir: Path, *, env: dict | None = None) -> subprocess.CompletedProcess:
-    command = _train_command(recipe, run_dir)
-    full_env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
-    full_env.update(PYTHONPATH=str(REPO), **(env or {}))
-    return subprocess.run(command, env=full_env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    return run_train(recipe, run_dir, env=env)
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -119,7 +101,7 @@ def test_sigterm_to_the_command_stops_every_rank(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        _train_command(recipe, run_dir),
+        train_command(recipe, run_dir),
         env=env,
         cwd=REPO,
         stdout=subprocess.DEVNULL,

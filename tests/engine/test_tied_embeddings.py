@@ -11,9 +11,6 @@ false) and one whose ``text_config`` ties.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,7 +25,7 @@ from magistral_cli.engine.model import build_model, load_model_config
 from magistral_cli.engine.parallelize import apply_freeze
 from magistral_cli.model_config import EMBED_KEY, HEAD_KEY, parameter_counts, read_model_config
 
-from .helpers import recipe_dict
+from .helpers import recipe_dict, run_train
 
 REPO = Path(__file__).resolve().parents[2]
 REAL_CONFIG = REPO / "tests" / "fixtures" / "magistral-small-2509" / "config.json"
@@ -86,21 +83,6 @@ def test_text_config_decides(tmp_path, top, text, tied):
 STEPS = 3
 
 
-def _train(recipe: Path, run_dir: Path) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable,
-        "-c",
-        "from magistral_cli.cli.main import main; main()",
-        "train",
-        str(recipe),
-        "--nproc-per-node",
-        "2",
-        f"training.output_dir={run_dir}",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
-
-
 def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     out = {}
     for file in sorted(model_dir.glob("*.safetensors")):
@@ -155,7 +137,7 @@ def test_train_and_export_keep_the_head(tmp_path, form):
     assert "parallel" in data and "apply_modules" not in data["parallel"]["fsdp_plan"]
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(data))
-    run = _train(recipe, tmp_path / "run")
+    run = run_train(recipe, tmp_path / "run")
     assert run.returncode == 0, run.stderr[-3000:]
     checkpoint = tmp_path / "run" / "checkpoints" / f"step_{STEPS}"
 

@@ -25,36 +25,19 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
-from engine.helpers import recipe_dict, write_tiny_model  # noqa: E402
+from engine.helpers import recipe_dict, run_train, train_command, train_env, write_tiny_model  # noqa: E402
 
 
 def _command(recipe: Path, run_dir: Path, *overrides: str) -> list[str]:
-    return [
-        sys.executable,
-        "-c",
-        "from magistral_cli.cli.main import main; main()",
-        "train",
-        str(recipe),
-        "--nproc-per-node",
-        "2",
-        f"training.output_dir={run_dir}",
-        *overrides,
-    ]
+    return train_command(recipe, run_dir, *overrides)
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO)}
+    return train_env()
 
 
 def _train(recipe: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        _command(recipe, run_dir, *overrides),
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
-    )
+    return run_train(recipe, run_dir, *overrides)
 
 
 @pytest.fixture(scope="module")

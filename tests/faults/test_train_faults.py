@@ -23,23 +23,11 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
-from engine.helpers import recipe_dict, write_tiny_model  # noqa: E402
+from engine.helpers import recipe_dict, run_train, write_tiny_model  # noqa: E402
 
 
 def _train(recipe: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable,
-        "-c",
-        "from magistral_cli.cli.main import main; main()",
-        "train",
-        str(recipe),
-        "--nproc-per-node",
-        "2",
-        f"training.output_dir={run_dir}",
-        *overrides,
-    ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    return run_train(recipe, run_dir, *overrides)
 
 
 def _rank_logs(run_dir: Path) -> str:
