@@ -364,3 +364,16 @@ def test_the_cpu_estimate_matches_the_measured_peak_of_two_process_training(name
     for r in ranks:
         print(f"{name}: measured " + ", ".join(f"{k} {v / GIB:.3f}" for k, v in r.items() if k != "baseline"))
     assert estimated == pytest.approx(measured, rel=0.15)
+
+
+def test_a_pattern_that_matches_nothing_stops_the_dry_run(real_model_dir, tmp_path):
+    """Seen: such a pattern passed --dry-run and failed only at launch, from the ranks."""
+    overrides = [
+        f"model.model_name_or_path={real_model_dir}",
+        f"training.output_dir={tmp_path / 'run'}",
+        "model.freeze=[model.vision_tower.no_such_module]",
+    ]
+    result = runner.invoke(app, ["train", str(EIGHT_CARD), *overrides, "--dry-run"])
+    assert result.exit_code == 2, result.output
+    assert "model.freeze pattern" in result.output and "no_such_module" in result.output
+    assert "Traceback" not in result.output

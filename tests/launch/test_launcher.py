@@ -315,3 +315,31 @@ def test_the_dry_run_json_carries_a_memory_plan_when_the_config_is_there(machine
     assert set(memory["items"]) >= {"parameter_shards", "gradient_shards", "optimizer_states", "loss_logits"}
     assert memory["per_rank_device_gib"] == max(memory["phases_gib"].values())
     assert memory["per_rank_host_gib"] >= 0
+
+
+def test_a_too_old_tokenizer_stops_the_launch_before_any_rank_starts(tmp_path):
+    """Seen: a Tekken v3 tokenizer was found only after the ranks built and sharded the model, followed by
+    torchrun's traceback. The launcher encodes the data itself, before torchrun."""
+    from magistral_cli.testing.tiny_data import write_synthetic_llava_dataset, write_tiny_tokenizer_files
+    from magistral_cli.testing.tiny_model import build_tiny_model, save_official_checkpoint, tiny_mistral3_config
+
+    model = tmp_path / "model"
+    save_official_checkpoint(build_tiny_model(tiny_mistral3_config()), model)
+    tekken = write_tiny_tokenizer_files(model)
+    data = json.loads(tekken.read_text())
+    data["config"]["version"] = "v3"
+    tekken.write_text(json.dumps(data))
+    write_synthetic_llava_dataset(tmp_path / "data", 4)
+    overrides = [
+        f"model.model_name_or_path={model}",
+        f"data.dataset_param.preprocess_parameters.model_name_or_path={model}",
+        f"training.load={model}",
+        f"data.dataset_param.basic_parameters.dataset_dir={tmp_path / 'data'}",
+        f"data.dataset_param.basic_parameters.dataset={tmp_path / 'data' / 'data.jsonl'}",
+        f"data.dataset_param.basic_parameters.cache_dir={tmp_path / 'cache'}",
+        f"training.output_dir={tmp_path / 'run'}",
+    ]
+    result = CliRunner().invoke(app, ["train", str(TINY), *overrides, "--nproc-per-node", "2"])
+    assert result.exit_code == 2, result.output
+    assert "is Tekken v3" in result.output and "Traceback" not in result.output
+    assert not list((tmp_path / "run" / "logs").iterdir()), "torchrun must not have started"
