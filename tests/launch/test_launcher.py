@@ -321,7 +321,11 @@ def test_a_too_old_tokenizer_stops_the_launch_before_any_rank_starts(tmp_path):
     """Seen: a Tekken v3 tokenizer was found only after the ranks built and sharded the model, followed by
     torchrun's traceback. The launcher encodes the data itself, before torchrun."""
     from magistral_cli.testing.tiny_data import write_synthetic_llava_dataset, write_tiny_tokenizer_files
-    from magistral_cli.testing.tiny_model import build_tiny_model, save_official_checkpoint, tiny_mistral3_config
+    from magistral_cli.testing.tiny_model import (
+        build_tiny_model,
+        save_official_checkpoint,
+        tiny_mistral3_config,
+    )
 
     model = tmp_path / "model"
     save_official_checkpoint(build_tiny_model(tiny_mistral3_config()), model)
