@@ -71,6 +71,20 @@ def read_model_config(model_dir: str | Path, *, trust_remote_code: bool = False,
     return apply_tying_rule(config)
 
 
+def tied_aliases(model) -> set[str]:
+    """State-dict keys whose tensor an earlier key already holds (a tied head: ``lm_head.weight``).
+
+    A checkpoint of a tied model leaves them out, as tied models ship.
+    """
+    seen: set[int] = set()
+    aliases: set[str] = set()
+    for key, value in model.state_dict(keep_vars=True).items():
+        if id(value) in seen:
+            aliases.add(key)
+        seen.add(id(value))
+    return aliases
+
+
 def parameter_counts(model, frozen_prefixes: list[str] | None = None) -> dict[str, int]:
     """Unique parameter counts of ``model``: total, trainable and frozen.
 

@@ -47,23 +47,15 @@ def model_keys(model_dir: str | Path) -> ModelKeys:
     import torch
     from transformers import Mistral3ForConditionalGeneration
 
-    from magistral_cli.model_config import read_model_config
+    from magistral_cli.model_config import read_model_config, tied_aliases
 
     model_dir = require_model_dir(model_dir)
     # The tying rule decides whether lm_head.weight is its own tensor (Magistral: it is).
     config = read_model_config(model_dir, what="model directory")
     with torch.device("meta"):
         model = Mistral3ForConditionalGeneration(config)
-    shapes: dict[str, tuple[int, ...]] = {}
-    aliases: set[str] = set()
-    seen: dict[int, str] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        shapes[key] = tuple(value.shape)
-        if id(value) in seen:
-            aliases.add(key)
-        else:
-            seen[id(value)] = key
-    return ModelKeys(shapes, aliases, config_dtype(model_dir))
+    shapes = {key: tuple(value.shape) for key, value in model.state_dict(keep_vars=True).items()}
+    return ModelKeys(shapes, tied_aliases(model), config_dtype(model_dir))
 
 
 def config_dtype(model_dir: Path) -> str | None:

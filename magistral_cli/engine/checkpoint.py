@@ -240,13 +240,25 @@ def choose_resume(save_dir: Path, verify=verify_checkpoint) -> ResumeChoice:
     return choice
 
 
-def resolve_checkpoint(path: Path) -> Path | None:
-    """A training checkpoint directory from ``path``: a checkpoints dir or a run dir (its newest one)."""
+def checkpoints_dir(path: Path) -> Path | None:
+    """The directory of ``step_<N>`` checkpoints that ``path`` names: itself, or a run's ``checkpoints/``."""
     for candidate in (path, path / "checkpoints"):
-        found = list_checkpoints(candidate)
-        if found:
-            return found[0][1]
+        if list_checkpoints(candidate):
+            return candidate
     return None
+
+
+def refuse_fresh_start(save_dir: Path) -> None:
+    """``training.resume=never`` over a save directory that holds checkpoints: a UserError (exit 2)."""
+    from magistral_cli.errors import UserError
+
+    existing = list_checkpoints(save_dir)
+    if existing:
+        raise UserError(
+            f"training.resume=never, but {save_dir} holds checkpoints "
+            f"({', '.join(p.name for _, p in existing[:5])}); a fresh start would overwrite them. "
+            "Use a new training.output_dir (or training.save), or training.resume=auto to continue"
+        )
 
 
 def is_training_checkpoint(path: Path) -> bool:

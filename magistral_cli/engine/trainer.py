@@ -261,13 +261,7 @@ class Trainer:
         elif training.resume == "auto":
             resume = self._choose(self.save_dir, what="resume")
         else:
-            existing = ckpt.list_checkpoints(self.save_dir)
-            if existing:
-                raise UserError(
-                    f"training.resume=never, but {self.save_dir} holds checkpoints "
-                    f"({', '.join(p.name for _, p in existing[:5])}); a fresh start would overwrite them. "
-                    "Use a new training.output_dir (or training.save), or training.resume=auto to continue"
-                )
+            ckpt.refuse_fresh_start(self.save_dir)
         if resume is None and training.load and training.load_format != "hf":
             path = Path(training.load)
             if ckpt.is_training_checkpoint(path):
@@ -277,11 +271,8 @@ class Trainer:
                         f"training.load {path} is a damaged checkpoint: " + "; ".join(result.problems[:5])
                     )
                 resume = path
-            else:
-                for candidate in (path, path / "checkpoints"):
-                    if ckpt.list_checkpoints(candidate):
-                        resume = self._choose(candidate, what="training.load")
-                        break
+            elif (found := ckpt.checkpoints_dir(path)) is not None:
+                resume = self._choose(found, what="training.load")
         if resume is not None:
             self.load_state_dict(resume)
             log.info("resumed from %s at step %d", resume, self.step)

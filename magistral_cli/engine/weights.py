@@ -82,12 +82,9 @@ def load_targets(model: nn.Module) -> dict[str, torch.Tensor]:
 
     A tied model's source (as tied models ship) has no ``lm_head.weight``; an untied one's must.
     """
-    seen: set[int] = set()
-    aliases = set()
-    for key, value in model.state_dict(keep_vars=True).items():
-        if id(value) in seen:
-            aliases.add(key)
-        seen.add(id(value))
+    from magistral_cli.model_config import tied_aliases
+
+    aliases = tied_aliases(model)
     return {k: v for k, v in model.state_dict().items() if k not in aliases}
 
 

@@ -214,13 +214,8 @@ def _check_save_dir(
     from magistral_cli.engine import checkpoint as ckpt
 
     training = recipe.training
-    existing = ckpt.list_checkpoints(save_dir)
-    if training.resume == "never" and existing:
-        raise UserError(
-            f"training.resume=never, but {save_dir} holds checkpoints "
-            f"({', '.join(p.name for _, p in existing[:5])}); a fresh start would overwrite them. "
-            "Use a new training.output_dir (or training.save), or training.resume=auto to continue"
-        )
+    if training.resume == "never":
+        ckpt.refuse_fresh_start(save_dir)
     if options.dry_run or options.node_rank != 0:
         return
     for stale in ckpt.remove_stale_temporaries(save_dir):
@@ -232,7 +227,7 @@ def _check_save_dir(
         raise UserError(
             f"{probe_dir} is not writable; set training.output_dir (or training.save) to a writable place"
         )
-    saves = max(planned_saves(training) - len(existing), 0)
+    saves = max(planned_saves(training) - len(ckpt.list_checkpoints(save_dir)), 0)
     if memory is None or not saves:
         return
     need = saves * checkpoint_bytes(recipe, memory)

@@ -20,10 +20,6 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 5
 
 
-def _train(recipe: Path, run_dir: Path, *, env: dict | None = None) -> subprocess.CompletedProcess:
-    return run_train(recipe, run_dir, env=env)
-
-
 def _losses(run_dir: Path) -> list[float]:
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(1, len(lines) + 1))
@@ -43,7 +39,7 @@ def test_two_processes_checkpoint_kill_and_exact_resume(tmp_path):
 
     # Uninterrupted, 2 processes.
     whole = tmp_path / "whole"
-    done = _train(recipe, whole)
+    done = run_train(recipe, whole)
     assert done.returncode == 0, done.stderr[-3000:]
     whole_losses = _losses(whole)
     # Not a terminal: rank 0's progress degrades to one plain line per logged step.
@@ -68,7 +64,7 @@ def test_two_processes_checkpoint_kill_and_exact_resume(tmp_path):
 
     # Rank 0 is killed while the step-4 checkpoint is being written: latest stays on step 2.
     broken = tmp_path / "broken"
-    killed = _train(recipe, broken, env={FAULT_ENV: "kill-during-save:4:0"})
+    killed = run_train(recipe, broken, env={FAULT_ENV: "kill-during-save:4:0"})
     assert killed.returncode != 0
     checkpoints = broken / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == "step_2"
@@ -77,7 +73,7 @@ def test_two_processes_checkpoint_kill_and_exact_resume(tmp_path):
     assert (checkpoints / "step_2" / ".metadata").is_file()
 
     # Launched again, it resumes from step 2 (resume: auto) and matches the uninterrupted run exactly.
-    resumed = _train(recipe, broken)
+    resumed = run_train(recipe, broken)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "step 2" in resumed.stderr
     assert _losses(broken) == whole_losses

@@ -28,18 +28,6 @@ sys.path.insert(0, str(REPO / "tests"))
 from engine.helpers import recipe_dict, run_train, train_command, train_env, write_tiny_model  # noqa: E402
 
 
-def _command(recipe: Path, run_dir: Path, *overrides: str) -> list[str]:
-    return train_command(recipe, run_dir, *overrides)
-
-
-def _env() -> dict[str, str]:
-    return train_env()
-
-
-def _train(recipe: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return run_train(recipe, run_dir, *overrides)
-
-
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("disk")
@@ -89,8 +77,8 @@ def test_a_full_disk_during_a_save_leaves_the_previous_checkpoint_and_one_messag
     saves = small_disk / "checkpoints"
     run = tmp_path / "run"
     proc = subprocess.Popen(
-        _command(recipe, run, f"training.save={saves}"),
-        env=_env(),
+        train_command(recipe, run, f"training.save={saves}"),
+        env=train_env(),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -113,7 +101,7 @@ def test_a_full_disk_during_a_save_leaves_the_previous_checkpoint_and_one_messag
 
     # Space freed: the same command resumes from step 5 and finishes.
     filler.unlink()
-    again = _train(recipe, run, f"training.save={saves}")
+    again = run_train(recipe, run, f"training.save={saves}")
     assert again.returncode == 0, again.stderr[-3000:]
     assert (saves / "latest").read_text().strip() == "step_10"
 
@@ -125,7 +113,7 @@ def test_pre_flight_removes_stale_temporaries_then_checks_free_space(recipe, tmp
     _fill(stale)
     # 100 checkpoints (of about 2 MiB) do not fit in 24 MiB: exit 2 before any rank starts, and
     # the stale save is gone.
-    refused = _train(
+    refused = run_train(
         recipe,
         tmp_path / "run",
         f"training.save={saves}",
@@ -167,8 +155,8 @@ def _alive(pid: int) -> bool:
 def test_a_second_job_on_a_running_run_exits_2_and_ranks_die_with_a_killed_launcher(recipe, tmp_path):
     run = tmp_path / "run"
     first = subprocess.Popen(
-        _command(recipe, run, "training.train_iters=100000", "training.save_interval=0"),
-        env=_env(),
+        train_command(recipe, run, "training.train_iters=100000", "training.save_interval=0"),
+        env=train_env(),
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -176,7 +164,7 @@ def test_a_second_job_on_a_running_run_exits_2_and_ranks_die_with_a_killed_launc
     )
     try:
         _wait_for_steps(run, first, 2)
-        second = _train(recipe, run, "training.train_iters=100000")
+        second = run_train(recipe, run, "training.train_iters=100000")
         assert second.returncode == 2, second.stderr[-3000:]
         assert f"is in use by another `magistral train` (pid {first.pid})" in second.stderr
         ranks = [int(x) for x in (run / ".magistral.ranks.lock").read_text().split()]
@@ -194,5 +182,5 @@ def test_a_second_job_on_a_running_run_exits_2_and_ranks_die_with_a_killed_launc
             os.killpg(first.pid, signal.SIGKILL)
 
     # The run directory is free again: a new job on it starts (and resumes nothing: no checkpoint).
-    again = _train(recipe, run, "training.train_iters=3")
+    again = run_train(recipe, run, "training.train_iters=3")
     assert again.returncode == 0, again.stderr[-3000:]

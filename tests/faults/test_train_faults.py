@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,10 +23,6 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
 from engine.helpers import recipe_dict, run_train, write_tiny_model  # noqa: E402
-
-
-def _train(recipe: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return run_train(recipe, run_dir, *overrides)
 
 
 def _rank_logs(run_dir: Path) -> str:
@@ -44,7 +39,7 @@ def trained(tmp_path_factory):
     data["training"]["resume"] = "auto"
     recipe = root / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(data))
-    done = _train(recipe, root / "run")
+    done = run_train(recipe, root / "run")
     assert done.returncode == 0, done.stderr[-3000:]
     return recipe, root / "run"
 
@@ -61,7 +56,7 @@ def test_bytes_changed_in_the_newest_checkpoint_resume_from_the_previous_one(tra
     with open(victim, "r+b") as f:
         f.seek(size // 2)
         f.write(os.urandom(min(4096, size // 4)))
-    resumed = _train(recipe, run, "training.train_iters=6")
+    resumed = run_train(recipe, run, "training.train_iters=6")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     logs = _rank_logs(run)
     assert f"skipped checkpoint step_4: {victim} does not match its xxh3_64 checksum" in logs
@@ -77,7 +72,7 @@ def test_bytes_changed_in_the_newest_checkpoint_resume_from_the_previous_one(tra
 def test_a_non_finite_step_exits_1_naming_the_step(trained, tmp_path):
     recipe, _ = trained
     run = tmp_path / "nan"
-    failed = _train(recipe, run, "training.lr=1e30", "training.save_interval=1")
+    failed = run_train(recipe, run, "training.lr=1e30", "training.save_interval=1")
     assert failed.returncode == 1, failed.stderr[-3000:]
     logs = _rank_logs(run)
     # Step 1 runs at lr 0 (the warm-up's first value); step 2's update at 1e30 makes step 3 non-finite.
@@ -95,7 +90,7 @@ def test_a_fresh_start_over_checkpoints_exits_2(trained, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(base, run)
     before = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()}
-    refused = _train(recipe, run, "training.resume=never")
+    refused = run_train(recipe, run, "training.resume=never")
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "training.resume=never" in _rank_logs(run) + refused.stderr
     assert {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()} == before
