@@ -35,7 +35,7 @@ def _worker(rank: int, world: int, init: str, out: str, gib: float, repeat: int)
     import torch.distributed.checkpoint as dcp
 
     from magistral_cli.engine import checkpoint as ckpt
-    from magistral_cli.engine.process import finish_rank_process
+    from magistral_cli.runtime import finish_rank_process
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)

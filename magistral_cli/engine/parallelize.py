@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -26,61 +23,9 @@ from torch.utils.checkpoint import checkpoint
 from magistral_cli.config.patterns import select_modules
 from magistral_cli.config.schema import FSDPPlan, Recipe, check_world_size
 from magistral_cli.errors import UserError
+from magistral_cli.runtime import DTYPES
 
 log = logging.getLogger(__name__)
-
-BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def resolve_device_type(requested: str) -> str:
-    """``parallel.device`` as a torch device type (auto: npu, then cuda, then cpu)."""
-    if requested != "auto":
-        return requested
-    from magistral_cli.launch.device import detect_device
-
-    return detect_device()[0]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def init_distributed(device_type: str) -> tuple[torch.device, bool]:
-    """Join torchrun's process group (or reuse one already set up); return (device, created_here)."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device_type == "npu":
-        import torch_npu  # noqa: F401  (registers the npu device and hccl)
-
-        torch.npu.set_device(local_rank)
-        device = torch.device("npu", local_rank)
-    elif device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    if dist.is_initialized():
-        return device, False
-    backend = BACKENDS[device_type]
-    # Eager communicator creation is a NCCL feature; gloo and hccl connect lazily.
-    device_id = device if device_type == "cuda" else None
-    if "RANK" not in os.environ:
-        # Run without torchrun (tests, notebooks): a one-process group on a free local port.
-        dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://127.0.0.1:{_free_port()}",
-            rank=0,
-            world_size=1,
-            device_id=device_id,
-        )
-    else:
-        dist.init_process_group(backend=backend, device_id=device_id)
-    return device, True
-
 
 @dataclass(frozen=True)
 class ParallelDims:

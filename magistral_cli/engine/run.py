@@ -90,6 +90,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from magistral_cli.engine.process import finish_rank_process
+    from magistral_cli.runtime import finish_rank_process
 
     finish_rank_process(main())

@@ -30,6 +30,7 @@ from magistral_cli.ops.context_parallel import (
     check_cp_recipe,
     cp_groups_from_mesh,
 )
+from magistral_cli.runtime import DTYPES, init_distributed, resolve_device_type
 
 from . import checkpoint as ckpt
 from .data import DataSource, build_data
@@ -43,14 +44,11 @@ from .model import (
 )
 from .optim import build_optimizer, clip_grads_, grad_norm_and_sums, lr_at
 from .parallelize import (
-    DTYPES,
     ParallelDims,
     apply_ac,
     apply_freeze,
     apply_fsdp,
     apply_prefetch,
-    init_distributed,
-    resolve_device_type,
 )
 from .profiling import MemoryProfiler, StepProfiler
 from .weights import load_weights

@@ -6,8 +6,9 @@ counterparts. A variable the user already set always wins.
 
 from __future__ import annotations
 
-import importlib.util
 import os
+
+from magistral_cli.runtime import detect_device
 
 #: The seed's launch scripts (finetune_magistral_2509_v1.sh) export these on Ascend.
 NPU_ENV = {
@@ -45,24 +46,6 @@ def merge_env(defaults: dict[str, str], user_env: dict[str, str]) -> tuple[dict[
     added = {k: v for k, v in defaults.items() if k not in user_env}
     kept = {k: user_env[k] for k in defaults if k in user_env}
     return added, kept
-
-
-def detect_device() -> tuple[str, int]:
-    """(device, device count): npu, then cuda, then cpu (count 1)."""
-    if importlib.util.find_spec("torch_npu") is not None:
-        try:
-            import torch
-            import torch_npu  # noqa: F401
-
-            if torch.npu.is_available() and torch.npu.device_count() > 0:
-                return "npu", torch.npu.device_count()
-        except Exception:  # a broken torch_npu install must not stop a CPU/CUDA launch
-            pass
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        return "cuda", torch.cuda.device_count()
-    return "cpu", 1
 
 
 def resolve_device(requested: str) -> tuple[str, int | None, str | None]:

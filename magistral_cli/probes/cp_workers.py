@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from magistral_cli.engine.process import finish_rank_process
+from magistral_cli.runtime import finish_rank_process
 
 from .common import FAIL, ProbeResult, device_missing_reason, skip
 

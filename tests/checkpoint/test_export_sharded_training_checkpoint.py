@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from magistral_cli.checkpoint.dcp_to_hf import export_dcp_to_hf
 from magistral_cli.checkpoint.keys import transformers_to_official_key
-from magistral_cli.engine.process import finish_rank_process
+from magistral_cli.runtime import finish_rank_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 

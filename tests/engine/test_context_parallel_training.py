@@ -18,10 +18,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from magistral_cli.engine.parallelize import ParallelDims
-from magistral_cli.engine.process import finish_rank_process
 from magistral_cli.engine.trainer import Trainer
 from magistral_cli.errors import UserError
 from magistral_cli.ops.context_parallel import check_cp_model, check_cp_recipe, cp_communication_count
+from magistral_cli.runtime import finish_rank_process
 
 from .helpers import make_recipe, write_tiny_model
 

@@ -347,8 +347,8 @@ def _unpark_moments(optimizer, path: Path) -> None:
 
 def _worker(rank: int, init_file: str, recipe: dict, reference: str, out_dir: str) -> None:
     from magistral_cli.config.loader import validate_recipe
-    from magistral_cli.engine.process import finish_rank_process
     from magistral_cli.engine.trainer import Trainer
+    from magistral_cli.runtime import finish_rank_process
 
     torch.set_num_threads(1)  # 2 ranks on 2 cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)

@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from magistral_cli.engine.parallelize import held_gradient_bytes
-from magistral_cli.engine.process import finish_rank_process
 from magistral_cli.engine.trainer import Trainer
+from magistral_cli.runtime import finish_rank_process
 
 from .helpers import make_recipe, write_tiny_model
 

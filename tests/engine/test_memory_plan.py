@@ -23,8 +23,8 @@ from typer.testing import CliRunner
 from magistral_cli.cli.main import app
 from magistral_cli.config import load_recipe
 from magistral_cli.engine import memory_plan as mp_plan
-from magistral_cli.engine.process import finish_rank_process
 from magistral_cli.engine.synthetic import BOS_TOKEN_ID, FIRST_TEXT_ID, IMAGE_TOKEN_ID, SyntheticBatches
+from magistral_cli.runtime import finish_rank_process
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny" / "tiny_cpu.yaml"

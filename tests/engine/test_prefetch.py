@@ -19,10 +19,10 @@ from magistral_cli.engine.parallelize import (
     apply_fsdp,
     apply_prefetch,
     fsdp_units_in_order,
-    init_distributed,
     prefetch_plan,
 )
 from magistral_cli.engine.synthetic import SyntheticBatches
+from magistral_cli.runtime import init_distributed
 from magistral_cli.testing.tiny_model import build_tiny_model, tiny_mistral3_config
 
 VOCAB = 512

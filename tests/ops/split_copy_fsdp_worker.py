@@ -59,7 +59,7 @@ def main():
 
 
 if __name__ == "__main__":
-    from magistral_cli.engine.process import finish_rank_process
+    from magistral_cli.runtime import finish_rank_process
 
     main()
     finish_rank_process(0)

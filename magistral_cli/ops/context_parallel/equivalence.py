@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from magistral_cli.engine.process import finish_rank_process
 from magistral_cli.ops.context_parallel.attention import cp_attention
 from magistral_cli.ops.context_parallel.groups import (
     ContextParallelGroups,
@@ -46,6 +45,7 @@ from magistral_cli.ops.context_parallel.model import (
     remove_context_parallel,
     shift_labels,
 )
+from magistral_cli.runtime import finish_rank_process
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _GROUPS: dict[tuple[int, int], tuple[ContextParallelMesh, ContextParallelGroups]] = {}

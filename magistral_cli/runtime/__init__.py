@@ -1,0 +1,39 @@
+"""The lowest layer: devices, dtypes, process groups and rank processes.
+
+Everything that starts a device or a rank process goes through here (the engine, the probes,
+the CP harness, the tests and benchmarks), so the device -> backend map, the dtype names and
+the "spawn ranks, run jobs, collect per-rank JSON" routine are written once. It imports nothing
+from the rest of the package except ``errors``.
+"""
+
+from magistral_cli.runtime.device import (
+    BACKENDS,
+    DTYPES,
+    detect_device,
+    device_module,
+    device_type_of_backend,
+    parse_dtype,
+    resolve_device_type,
+    set_device,
+)
+from magistral_cli.runtime.distributed import (
+    destroy_distributed,
+    finish_rank_process,
+    init_distributed,
+    spawn_ranks,
+)
+
+__all__ = [
+    "BACKENDS",
+    "DTYPES",
+    "destroy_distributed",
+    "detect_device",
+    "device_module",
+    "device_type_of_backend",
+    "finish_rank_process",
+    "init_distributed",
+    "parse_dtype",
+    "resolve_device_type",
+    "set_device",
+    "spawn_ranks",
+]

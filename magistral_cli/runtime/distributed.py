@@ -1,0 +1,181 @@
+"""Process groups and rank processes.
+
+``init_distributed`` joins torchrun's group (the trainer); ``spawn_ranks`` starts a fresh group
+of rank processes in-process (probes, the CP harness, tests, benchmarks), runs one function on
+every rank and returns each rank's JSON result; ``finish_rank_process`` ends a rank.
+
+After a gloo process group is destroyed, the interpreter's normal teardown can still abort the
+process ("terminate called without an active exception", SIGABRT) while C++ static objects are
+destroyed under a background communication thread. It happened in about 1 of 15 otherwise
+successful CPU runs here, after all the work was done, and torchrun or ``mp.spawn`` then report the
+rank as failed. A rank whose work is finished therefore flushes its output and leaves with
+``os._exit``, skipping that teardown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from magistral_cli.runtime.device import BACKENDS, set_device
+
+#: A spawned rank that waits on a collective longer than this fails instead of hanging.
+COLLECTIVE_TIMEOUT_S = 180
+
+
+def finish_rank_process(code: int = 0) -> NoReturn:
+    """Flush logs and standard streams, then end this process with ``code`` at once."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        # A closed or broken stream must not change the exit code.
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(device_type: str) -> tuple[torch.device, bool]:
+    """Join torchrun's process group (or reuse one already set up); return (device, created_here).
+
+    Without torchrun's environment (tests, notebooks) and no group yet, a one-process group on a
+    free local port.
+    """
+    device = set_device(device_type, int(os.environ.get("LOCAL_RANK", "0")))
+    if dist.is_initialized():
+        return device, False
+    backend = BACKENDS[device_type]
+    # Eager communicator creation is a NCCL feature; gloo and hccl connect lazily.
+    device_id = device if device_type == "cuda" else None
+    if "RANK" not in os.environ:
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://127.0.0.1:{_free_port()}",
+            rank=0,
+            world_size=1,
+            device_id=device_id,
+        )
+    else:
+        dist.init_process_group(backend=backend, device_id=device_id)
+    return device, True
+
+
+def destroy_distributed() -> None:
+    """Leave the process group if there is one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class RankFailure(RuntimeError):
+    """A spawned rank raised, died or ran past its time; the message carries the rank's traceback."""
+
+
+def _rank_main(
+    rank: int,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    world_size: int,
+    device_type: str,
+    threads: int,
+    init_file: str,
+    out_dir: str,
+) -> None:
+    torch.set_num_threads(threads)
+    device = set_device(device_type, rank)
+    dist.init_process_group(
+        BACKENDS[device_type],
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        device_id=device if device_type == "cuda" else None,
+    )
+    code = 0
+    try:
+        record = {"result": fn(rank, *args)}
+    except BaseException as error:  # reported to the parent with its traceback
+        record = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+        code = 1
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record), encoding="utf-8")
+    finish_rank_process(code)
+
+
+def spawn_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    *,
+    device: str = "cpu",
+    timeout_s: float | None = None,
+    threads: int | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, *args)`` on ``world_size`` fresh processes in one process group.
+
+    ``fn`` must be importable (a module-level function) and return something JSON can write; the
+    list of every rank's return value comes back in rank order. Each rank joins the group (gloo
+    on the CPU, NCCL on CUDA, HCCL on NPU, device = rank) before ``fn`` runs and leaves it after.
+    CPU ranks share the cores (``threads`` each, default cores / world_size). A rank that raises
+    or dies, or a group still running after ``timeout_s``, raises :class:`RankFailure` naming the
+    rank (the other processes are terminated).
+    """
+    import torch.multiprocessing as mp
+
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    with tempfile.TemporaryDirectory(prefix="magistral-ranks-") as tmp:
+        context = mp.start_processes(
+            _rank_main,
+            args=(fn, tuple(args), world_size, device, threads, os.path.join(tmp, "init"), tmp),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        failure = None
+        try:
+            while not context.join(timeout=1.0):
+                if deadline is not None and time.monotonic() > deadline:
+                    raise RankFailure(f"the {world_size} rank processes ran past {timeout_s:.0f} s")
+        except mp.ProcessExitedException as error:
+            failure = error
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.terminate()
+                    process.join(5)
+        records = []
+        for rank in range(world_size):
+            path = Path(tmp, f"rank{rank}.json")
+            records.append(json.loads(path.read_text(encoding="utf-8")) if path.exists() else None)
+    for rank, record in enumerate(records):
+        if record is not None and "error" in record:
+            raise RankFailure(f"rank {rank} failed: {record['error']}\n{record['traceback']}")
+    if failure is not None:
+        raise RankFailure(
+            f"rank {failure.error_index} ended without a result (exit code {failure.exit_code}); "
+            "the other ranks were stopped"
+        )
+    if any(record is None for record in records):
+        dead = [rank for rank, record in enumerate(records) if record is None]
+        raise RankFailure(f"rank(s) {dead} ended without a result")
+    return [record["result"] for record in records]

@@ -1,0 +1,71 @@
+"""The runtime layer: one device/backend/dtype map and one way to start rank processes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from magistral_cli.runtime import (
+    BACKENDS,
+    device_module,
+    device_type_of_backend,
+    parse_dtype,
+    resolve_device_type,
+    set_device,
+    spawn_ranks,
+)
+from magistral_cli.runtime.distributed import RankFailure
+
+
+def _sum_of_ranks(rank: int, offset: int) -> dict:
+    value = torch.tensor([float(rank + offset)])
+    dist.all_reduce(value)
+    return {
+        "rank": rank,
+        "world": dist.get_world_size(),
+        "sum": value.item(),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _fails_on_rank_one(rank: int) -> int:
+    if rank == 1:
+        raise ValueError("rank one was told to fail")
+    return rank
+
+
+def _dies_on_rank_one(rank: int) -> int:
+    if rank == 1:
+        os._exit(3)
+    return rank
+
+
+def test_spawn_ranks_runs_one_group_and_returns_every_rank_in_order():
+    results = spawn_ranks(_sum_of_ranks, 2, (10,), threads=1)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["world"] == 2 and r["sum"] == 21.0 and r["threads"] == 1 for r in results)
+
+
+def test_a_rank_that_raises_is_named_with_its_traceback():
+    with pytest.raises(RankFailure, match=r"rank 1 failed: ValueError: rank one was told to fail") as info:
+        spawn_ranks(_fails_on_rank_one, 2, threads=1)
+    assert "_fails_on_rank_one" in str(info.value)
+
+
+def test_a_rank_that_dies_is_reported_not_hidden():
+    with pytest.raises(RankFailure, match=r"rank 1 ended without a result \(exit code 3\)"):
+        spawn_ranks(_dies_on_rank_one, 2, threads=1)
+
+
+def test_maps_are_consistent():
+    assert {device_type_of_backend(b) for b in BACKENDS.values()} == set(BACKENDS)
+    assert parse_dtype("bf16") is torch.bfloat16 and parse_dtype("half") is torch.float16
+    with pytest.raises(ValueError, match="unknown dtype 'int3'"):
+        parse_dtype("int3")
+    assert device_module("cpu") is None and set_device("cpu", 3) == torch.device("cpu")
+    assert resolve_device_type("cpu") == "cpu"
+    with pytest.raises(ValueError, match="unknown device type"):
+        device_module("tpu")
