@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+from magistral_cli.runtime import device_module
 
 FIELDS = (
     "step",
@@ -24,15 +24,6 @@ FIELDS = (
     "peak_reserved_mib",
     "alloc_retries",
 )
-
-
-def device_module(device_type: str):
-    """``torch.cuda`` / ``torch.npu`` (or None on the CPU, whose allocator reports nothing)."""
-    if device_type == "cuda":
-        return torch.cuda
-    if device_type == "npu":
-        return torch.npu  # type: ignore[attr-defined]
-    return None
 
 
 def memory_stats(device_type: str) -> dict[str, Any]:

@@ -47,6 +47,12 @@ class LossHead(nn.Linear):
         return cross_entropy_sum(hidden, self.weight, labels, self.chunk_size, token_weights)
 
 
+def loss_head_sum(hidden, lm_head, labels, num_items):
+    """The context-parallel loss function: the trainer's loss head (chunked when
+    ``features.enable_chunk_loss``) on this rank's hidden states and shifted labels."""
+    return lm_head(hidden, labels) / num_items
+
+
 def install_loss_head(model: nn.Module, module_name: str, chunk_size: int | None) -> nn.Module:
     """Turn the output projection ``module_name`` into a ``LossHead`` (same parameters, same keys)."""
     modules = dict(model.named_modules())

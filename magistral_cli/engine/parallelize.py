@@ -1,20 +1,16 @@
 """Process groups, the device mesh, and the ordered transformations that make the model trainable.
 
-``Trainer`` applies them in this order (the order matters, see each function):
-
-1. ``apply_freeze``      requires_grad off for ``model.freeze`` patterns
-2. ``apply_ac``          activation checkpointing over ``features.recompute_plan``
-3. ``apply_fsdp``        FSDP2 ``fully_shard`` bottom-up over ``parallel.fsdp_plan``, then the root
-4. ``apply_prefetch``    explicit all-gather prefetch along the chain of FSDP units
-5. ``ops.context_parallel.apply_context_parallel`` when the CP degree is above 1
+:func:`parallelize_model` applies them in their one correct order (its docstring says why each
+step sits where it does); the ``apply_*`` functions are its steps, usable on their own in tests.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -26,6 +22,7 @@ from magistral_cli.errors import UserError
 from magistral_cli.runtime import DTYPES
 
 log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -257,3 +254,83 @@ def held_gradient_bytes(model: nn.Module) -> dict[str, int]:
                 if held is not None:
                     unsharded += held.numel() * held.element_size()
     return {"sharded": sharded, "unsharded": unsharded}
+
+
+@dataclass
+class ParallelizedModel:
+    """What :func:`parallelize_model` did, for the trainer's log and record."""
+
+    frozen: list[str] = field(default_factory=list)
+    contiguous_linear: list[str] = field(default_factory=list)
+    recomputed: list[str] = field(default_factory=list)
+    units: list[tuple[str, object]] = field(default_factory=list)
+    context_parallel: str | None = None
+
+
+def parallelize_model(
+    model: nn.Module,
+    recipe: Recipe,
+    *,
+    device_type: str,
+    device: torch.device,
+    mesh: DeviceMesh,
+    cp_groups=None,
+    loss_fn=None,
+) -> ParallelizedModel:
+    """Make a freshly built model trainable in place, in this order (each step needs the last):
+
+    1. **Freeze** (``model.freeze``): ``fully_shard`` records ``requires_grad`` when it builds its
+       parameter groups, so this comes before FSDP.
+    2. **Module kernels**: the contiguous-Linear weight gradient
+       (``features.contiguous_linear_grad_modules``) and the per-image vision attention (every
+       device: no dense block mask over all images) replace forwards of plain modules, so they
+       run before anything wraps those modules.
+    3. **Recompute** (``features.recompute_plan``): activation checkpointing wraps forwards before
+       FSDP, so FSDP's hooks run around the recomputed region and the backward gathers each unit's
+       parameters once.
+    4. **FSDP2** (``parallel.fsdp_plan``): ``fully_shard`` bottom-up over the units, then the root;
+       the Triton split-copy kernel is registered before the first all-gather can run.
+    5. **Prefetch**: explicit all-gather prefetch along the chain of units; needs the units.
+    6. **Context parallelism** (``cp_groups``): the decoder runs on this rank's part of the
+       sequence and the root forward returns the loss sum over the whole sequence (``loss_fn``
+       computes it from the hidden states); it wraps the sharded model's forward.
+    7. **Materialize** (``training.init_model_with_meta_device``): allocate the sharded storage on
+       ``device``; the weights are loaded afterwards.
+    """
+    plan, features = recipe.parallel.fsdp_plan, recipe.features
+    done = ParallelizedModel()
+    done.frozen = apply_freeze(model, recipe.model.freeze)
+    if features.contiguous_linear_grad_modules:
+        from magistral_cli.ops.contiguous_linear import apply_contiguous_linear_grad
+
+        param_dtype = DTYPES[plan.param_dtype] if plan.param_dtype else torch.float32
+        done.contiguous_linear = apply_contiguous_linear_grad(
+            model, features.contiguous_linear_grad_modules, device=device_type, param_dtype=param_dtype
+        )
+        log.info("contiguous Linear weight gradients on %d modules", len(done.contiguous_linear))
+    from magistral_cli.ops.vision_attention import apply_vision_attention
+
+    apply_vision_attention(model, device_type)
+    if features.recompute:
+        done.recomputed = apply_ac(model, features.recompute_plan.apply_modules)
+        log.info("activation checkpointing on %d modules", len(done.recomputed))
+    if plan.use_triton_split_copy:
+        from magistral_cli.ops.split_copy import enable_triton_split_copy
+
+        enable_triton_split_copy()
+    from .model import materialize, output_capture_survives_wrapping
+
+    with output_capture_survives_wrapping(model):
+        done.units = apply_fsdp(model, mesh, plan)
+    apply_prefetch(model, plan)
+    if cp_groups is not None:
+        from magistral_cli.ops.context_parallel import apply_context_parallel
+
+        apply_context_parallel(model, cp_groups, loss_fn=loss_fn)
+        done.context_parallel = (
+            f"{cp_groups.mode} (ulysses {cp_groups.ulysses_size} x ring {cp_groups.ring_size})"
+        )
+        log.info("context parallel: %s", done.context_parallel)
+    if recipe.training.init_model_with_meta_device:
+        materialize(model, device)
+    return done

@@ -24,32 +24,15 @@ from magistral_cli.config.schema import Recipe
 from magistral_cli.errors import CheckFailed, UserError
 from magistral_cli.launch.identity import record_resolved
 from magistral_cli.ops.attention import resolve_attention, validate_right_padding
-from magistral_cli.ops.context_parallel import (
-    apply_context_parallel,
-    check_cp_model,
-    check_cp_recipe,
-    cp_groups_from_mesh,
-)
-from magistral_cli.runtime import DTYPES, init_distributed, resolve_device_type
+from magistral_cli.ops.context_parallel import check_cp_model, check_cp_recipe, cp_groups_from_mesh
+from magistral_cli.runtime import device_module, init_distributed, resolve_device_type
 
 from . import checkpoint as ckpt
 from .data import DataSource, build_data
-from .metrics import MetricsFile, Progress, device_module, memory_stats, write_summary
-from .model import (
-    build_model,
-    install_loss_head,
-    load_model_config,
-    materialize,
-    output_capture_survives_wrapping,
-)
+from .metrics import MetricsFile, Progress, memory_stats, write_summary
+from .model import build_model, install_loss_head, load_model_config, loss_head_sum
 from .optim import build_optimizer, clip_grads_, grad_norm_and_sums, lr_at
-from .parallelize import (
-    ParallelDims,
-    apply_ac,
-    apply_freeze,
-    apply_fsdp,
-    apply_prefetch,
-)
+from .parallelize import ParallelDims, parallelize_model
 from .profiling import MemoryProfiler, StepProfiler
 from .weights import load_weights
 
@@ -87,12 +70,6 @@ def set_rng_state(state: dict[str, Any], device_type: str) -> None:
     mod = device_module(device_type)
     if mod is not None and "device" in state:
         mod.set_rng_state(state["device"])
-
-
-def _loss_head_sum(hidden, lm_head, labels, num_items):
-    """The CP loss function: the trainer's loss head (chunked when ``features.enable_chunk_loss``)
-    on this rank's hidden states and shifted labels."""
-    return lm_head(hidden, labels) / num_items
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -176,8 +153,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ build
     def _build_model(self) -> torch.nn.Module:
-        recipe, training = self.recipe, self.recipe.training
-        plan, features = recipe.parallel.fsdp_plan, recipe.features
+        """Build the model (meta or real), install the loss head, then ``parallelize_model``."""
+        recipe, training, features = self.recipe, self.recipe.training, self.recipe.features
         if recipe.model.model_name_or_path is None:
             raise UserError(
                 "model.model_name_or_path is not set; point it at the model directory (config.json)"
@@ -185,66 +162,29 @@ class Trainer:
         config = load_model_config(recipe.model.model_name_or_path, recipe.model.trust_remote_code)
         check_cp_model(config.text_config, self.dims.ulysses)
         self.attn_implementation = resolve_attention(recipe.model.attn_implementation, self.device_type)
-        meta = training.init_model_with_meta_device
-        model = build_model(config, meta=meta, attn_implementation=self.attn_implementation)
+        model = build_model(
+            config, meta=training.init_model_with_meta_device, attn_implementation=self.attn_implementation
+        )
         chunk = features.chunkloss_plan.chunk_size if features.enable_chunk_loss else None
         install_loss_head(model, features.chunkloss_plan.apply_module, chunk)
-
-        # The order below is load-bearing:
-        # 1. Freeze first: fully_shard records requires_grad when it builds its parameter groups.
-        self.frozen = apply_freeze(model, recipe.model.freeze)
-        # 2. Module-level kernels replace forwards of plain (unsharded, unwrapped) modules.
-        if features.contiguous_linear_grad_modules:
-            from magistral_cli.ops.contiguous_linear import apply_contiguous_linear_grad
-
-            param_dtype = DTYPES[plan.param_dtype] if plan.param_dtype else torch.float32
-            applied = apply_contiguous_linear_grad(
-                model,
-                features.contiguous_linear_grad_modules,
-                device=self.device_type,
-                param_dtype=param_dtype,
-            )
-            log.info("contiguous Linear weight gradients on %d modules", len(applied))
-        #    The vision tower attends within each image (per-image lengths) on every device: no
-        #    dense block mask over all images (2.2-2.5x faster on the CPU, see bench_probe_ops.py).
-        from magistral_cli.ops.vision_attention import apply_vision_attention
-
-        apply_vision_attention(model, self.device_type)
-        # 3. Activation checkpointing wraps forwards before FSDP, so FSDP's hooks run around the
-        #    recomputed region and the backward gathers each unit's parameters once.
-        if features.recompute:
-            recomputed = apply_ac(model, features.recompute_plan.apply_modules)
-            log.info("activation checkpointing on %d modules", len(recomputed))
-        # 4. FSDP2, bottom-up, then the root; the split-copy kernel must be registered before the
-        #    first all-gather.
-        if plan.use_triton_split_copy:
-            from magistral_cli.ops.split_copy import enable_triton_split_copy
-
-            enable_triton_split_copy()
-        with output_capture_survives_wrapping(model):
-            units = apply_fsdp(model, self.meshes.dp_cp, plan)
-        apply_prefetch(model, plan)
+        done = parallelize_model(
+            model,
+            recipe,
+            device_type=self.device_type,
+            device=self.device,
+            mesh=self.meshes.dp_cp,
+            cp_groups=self.cp_groups,
+            loss_fn=loss_head_sum,
+        )
+        self.frozen = done.frozen
         log.info(
             "FSDP2 over %d ranks (dp %d x cp %d): %d units + root; frozen: %s",
             self.dims.dp * self.dims.cp,
             self.dims.dp,
             self.dims.cp,
-            len(units),
+            len(done.units),
             self.frozen,
         )
-        # 5. Context parallelism: the decoder runs on this rank's part of the sequence; the
-        #    root forward returns the loss SUM over the whole sequence, as without CP.
-        if self.cp_groups is not None:
-            apply_context_parallel(model, self.cp_groups, loss_fn=_loss_head_sum)
-            log.info(
-                "context parallel: %s (ulysses %d x ring %d)",
-                self.cp_groups.mode,
-                self.cp_groups.ulysses_size,
-                self.cp_groups.ring_size,
-            )
-        # 6. Materialize: sharded storage on the device (loading fills it in _load_initial_state).
-        if meta:
-            materialize(model, self.device)
         return model
 
     def _load_initial_state(self) -> None:
