@@ -420,7 +420,7 @@ class Trainer:
             else:  # per_sample_loss: the weights already normalise within the micro-batch
                 step_scale = 1.0 / accumulation
             (loss * step_scale).backward()
-            loss_sum += loss.detach()  # per_sample_loss: the weighted sum
+            loss_sum += loss.detach()  # summed token losses (per_sample_loss: their weighted sum)
             objective += loss.detach() * (1.0 if loss_type == "per_token_loss" else step_scale)
             self.after_micro_batch(i, last=i == last)
         return {"loss_sum": loss_sum, "objective": objective, "counts": counts}
