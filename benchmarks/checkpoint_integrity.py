@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
-import os
 import shutil
 import sys
 import tempfile
@@ -29,16 +27,15 @@ sys.path.insert(0, str(REPO_ROOT))
 MIB = 1 << 20
 
 
-def _worker(rank: int, world: int, init: str, out: str, gib: float, repeat: int) -> None:
+def _worker(rank: int, out: str, gib: float, repeat: int) -> dict[str, list[float]]:
+    """One rank's times per round (inside the process group, 1 thread)."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from magistral_cli.engine import checkpoint as ckpt
-    from magistral_cli.runtime import finish_rank_process
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    world = dist.get_world_size()
     # This rank's share of the state: 16 MiB tensors, as a shard of a large model would be.
     per_rank = int(gib * (1 << 30) / world)
     tensors = {
@@ -84,11 +81,8 @@ def _worker(rank: int, world: int, init: str, out: str, gib: float, repeat: int)
         times["sha256"].append(time.perf_counter() - t0)
         for case in ("dcp.save", "save_checkpoint"):
             shutil.rmtree(root / f"{case}-{r}", ignore_errors=True)
-    if rank == 0:
-        (root / "times.json").write_text(json.dumps(times))
     dist.barrier()
-    dist.destroy_process_group()
-    finish_rank_process(0)
+    return times
 
 
 def main() -> None:
@@ -99,19 +93,13 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary folder)")
     args = parser.parse_args()
 
-    import torch.multiprocessing as mp
+    from magistral_cli.runtime import spawn_ranks
 
     base = args.dir or Path(tempfile.mkdtemp(prefix="ckpt-integrity-"))
     base.mkdir(parents=True, exist_ok=True)
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(
-                _worker,
-                args=(args.ranks, os.path.join(tmp, "init"), str(base), args.gib, args.repeat),
-                nprocs=args.ranks,
-                join=True,
-            )
-        times = json.loads((base / "times.json").read_text())
+        # Rank 0's times, as before (the barriers keep the ranks' rounds together).
+        times = spawn_ranks(_worker, args.ranks, (str(base), args.gib, args.repeat), threads=1)[0]
     finally:
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)

@@ -13,17 +13,14 @@ fp32 score block the math kernel materialises per rank is printed.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+from magistral_cli.runtime import spawn_ranks
 
 
 def _tensors(args, seed=0):
@@ -59,7 +56,8 @@ def _full(args) -> float:
     return _time(run, args.repeats)
 
 
-def _worker(rank, world, init_file, args, mode, out_dir):
+def _worker(rank, args, mode):
+    """One rank's median forward+backward time of the CP attention (inside the process group)."""
     from magistral_cli.ops.context_parallel import (
         build_cp_mesh,
         cp_attention,
@@ -72,24 +70,17 @@ def _worker(rank, world, init_file, args, mode, out_dir):
 
     set_attention_backends(ring_kernel=BLOCK_KERNELS[args.ring_kernel]())
 
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        u, r = mode_sizes(mode, world)
-        groups = cp_groups_from_mesh(build_cp_mesh("cpu", u, r))
-        q, k, v, dout = (split_for_cp(t, groups, dim=2) for t in _tensors(args))
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-        scale = args.head_dim**-0.5
+    u, r = mode_sizes(mode, dist.get_world_size())
+    groups = cp_groups_from_mesh(build_cp_mesh("cpu", u, r))
+    q, k, v, dout = (split_for_cp(t, groups, dim=2) for t in _tensors(args))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    scale = args.head_dim**-0.5
 
-        def run():
-            dist.barrier()
-            cp_attention(q, k, v, groups, scale).backward(dout)
+    def run():
+        dist.barrier()
+        cp_attention(q, k, v, groups, scale).backward(dout)
 
-        seconds = _time(run, args.repeats)
-        if rank == 0:
-            Path(out_dir, f"{mode}.json").write_text(json.dumps({"seconds": seconds}))
-    finally:
-        dist.destroy_process_group()
+    return _time(run, args.repeats)
 
 
 def main() -> None:
@@ -115,12 +106,10 @@ def main() -> None:
     )
     print(f"{'attention':<10} {'fwd+bwd s':>10} {'vs full':>8}")
     print(f"{'full':<10} {full:>10.4f} {1.0:>8.2f}")
-    with tempfile.TemporaryDirectory() as tmp:
-        for mode in modes:
-            init_file = os.path.join(tmp, f"init-{mode}")
-            mp.spawn(_worker, args=(args.nproc, init_file, args, mode, tmp), nprocs=args.nproc, join=True)
-            seconds = json.loads(Path(tmp, f"{mode}.json").read_text())["seconds"]
-            print(f"{mode:<10} {seconds:>10.4f} {seconds / full:>8.2f}")
+    for mode in modes:
+        # Rank 0's time, as before (the barrier in every run keeps the ranks in step).
+        seconds = spawn_ranks(_worker, args.nproc, (args, mode), threads=args.threads)[0]
+        print(f"{mode:<10} {seconds:>10.4f} {seconds / full:>8.2f}")
     if args.ring_kernel == "math":
         chunk = args.seq_len // (2 * args.nproc)
         block_mib = args.heads * 2 * chunk * chunk * 4 / 2**20

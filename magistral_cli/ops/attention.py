@@ -12,7 +12,8 @@ only ever attends to earlier real tokens, so padding is harmless and the mask ca
 Any other mask (left padding, holes, packed-sample ids) would silently change the result, so
 ``validate_right_padding`` rejects it before the model runs (the seed's
 ``_validate_dense_attention_mask``). The trainer checks every host-side batch with it, which costs
-no device synchronisation.
+no device synchronisation. ``right_padding_problem`` is the rule itself, which the
+context-parallel batch check (``ops.context_parallel.model.validate_cp_batch``) applies too.
 """
 
 from __future__ import annotations
@@ -44,15 +45,21 @@ def flash_attention_available(version: int) -> bool:
     return distribution in {name.replace("_", "-").lower() for name in owners}
 
 
-def validate_right_padding(attention_mask: torch.Tensor | None) -> None:
-    """Raise ValueError unless ``attention_mask`` is a 2D 0/1 mask with padding on the right only."""
+def right_padding_problem(attention_mask: torch.Tensor | None, *, read_values: bool = True) -> str | None:
+    """The one rule every attention-mask check applies; what is wrong with ``attention_mask``.
+
+    None for no mask or a 2D ``[batch, seq]`` 0/1 mask with padding on the right only;
+    otherwise ``"shape"`` (not 2D: a custom or 4D mask), ``"values"`` (values other than 0 and 1:
+    packed-sample ids, neat_packing) or ``"left_padding"`` (padding before real tokens: left
+    padding or holes). The values are read back (both checks together, one synchronisation
+    when the mask lives on a device) unless ``read_values`` is False, which checks the shape only.
+    """
     if attention_mask is None:
-        return
+        return None
     if attention_mask.ndim != 2:
-        raise ValueError(
-            f"attention_mask must be 2D [batch, seq] with right padding, got shape {tuple(attention_mask.shape)}"
-        )
-    # Both checks read back together: one synchronisation when the mask lives on a device.
+        return "shape"
+    if not read_values:
+        return None
     invalid_values, invalid_padding = (
         torch.stack(
             (
@@ -64,11 +71,25 @@ def validate_right_padding(attention_mask: torch.Tensor | None) -> None:
         .tolist()
     )
     if invalid_values:
+        return "values"
+    if invalid_padding:
+        return "left_padding"
+    return None
+
+
+def validate_right_padding(attention_mask: torch.Tensor | None) -> None:
+    """Raise ValueError unless ``attention_mask`` is a 2D 0/1 mask with padding on the right only."""
+    problem = right_padding_problem(attention_mask)
+    if problem == "shape":
+        raise ValueError(
+            f"attention_mask must be 2D [batch, seq] with right padding, got shape {tuple(attention_mask.shape)}"
+        )
+    if problem == "values":
         raise ValueError(
             "attention_mask holds values other than 0 and 1 (packed-sample ids, neat_packing); "
             "this engine supports right-padded batches only: set data.dataset_param.basic_parameters.neat_packing=false"
         )
-    if invalid_padding:
+    if problem == "left_padding":
         raise ValueError(
             "attention_mask has padding before real tokens (left padding or holes); "
             "this engine supports right padding only: pad on the right in the collator"

@@ -124,10 +124,12 @@ def resolve_probe_device(requested: str) -> str:
 
 
 def relative_l2(actual, expected) -> float:
-    """||actual - expected|| / ||expected|| in float32 (0 when both are zero)."""
+    """||actual - expected|| / ||expected|| in float32 (0 when both are zero, inf when only
+    ``expected`` is); both norms are read back together (one device synchronisation)."""
+    import torch
+
     a, e = actual.detach().float(), expected.detach().float()
-    denom = e.norm().item()
-    num = (a - e).norm().item()
+    num, denom = torch.stack(((a - e).norm(), e.norm())).tolist()
     if denom == 0.0:
         return 0.0 if num == 0.0 else math.inf
     return num / denom

@@ -4,7 +4,7 @@ On ``nproc`` processes (2 for ulysses and ring, 4 = 2 x 2 for hybrid), every ran
 full training step of a small Mistral3 (the tiny model, vocabulary 512) with two images of
 different aspect, fixed weights, labels and position ids: first the CP=1 reference (the
 unmodified transformers forward and loss), then the same step with the decoder split over
-the CP group (:func:`magistral_cli.ops.context_parallel.equivalence.run_cp_equivalence`).
+the CP group (:func:`magistral_cli.probes.cp_harness.run_cp_equivalence`).
 Per dtype it checks, on every rank:
 
 - loss relative error, gradient relative L2 over every trainable parameter and SGD-update
@@ -13,7 +13,8 @@ Per dtype it checks, on every rank:
 - the vision tower and projector ran (once each) and made no CP communication, while the
   decoder did communicate (so the CP path really ran).
 
-``chunk_loss`` uses a chunked cross entropy (each chunk recomputed in backward) in both runs.
+``chunk_loss`` uses the trainer's chunked loss head (``ops.chunked_loss``, as
+``features.enable_chunk_loss`` installs it) in both runs.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def run_rank_job(mode: str, dtypes: list[str], chunk_loss: bool) -> dict[str, An
     """One reference step and one CP step per dtype on this rank (inside the process group)."""
     import traceback
 
-    from magistral_cli.ops.context_parallel.equivalence import run_cp_equivalence
+    from .cp_harness import run_cp_equivalence
 
     runs = []
     for dtype in dtypes:

@@ -2,10 +2,10 @@
 
 A :class:`CpRequest` names a probe (``cp-equivalence`` or ``vision-attention``), a CP mode and
 a process count. :func:`run_cp_requests` spawns one group of rank processes per process count
-(gloo on the CPU, NCCL on CUDA, HCCL on NPU, one device per rank), runs every request of that
-size in it, and turns each request's per-rank results into a :class:`ProbeResult`: spawning
-and importing torch dominate on a small machine, so ``probe all`` and the tests pay them once
-per world size, not once per check.
+(``runtime.spawn_ranks``: gloo on the CPU, NCCL on CUDA, HCCL on NPU, one device per rank),
+runs every request of that size in it, and turns each request's per-rank results into a
+:class:`ProbeResult`: spawning and importing torch dominate on a small machine, so ``probe all``
+and the tests pay them once per world size, not once per check.
 
 The jobs are plain dicts (they cross the process boundary by pickling): each probe module
 provides ``rank_job(request)`` (run on every rank, returns a JSON-able dict) and
@@ -14,23 +14,17 @@ provides ``rank_job(request)`` (run on every rank, returns a JSON-able dict) and
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import tempfile
 import time
-import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from magistral_cli.runtime import finish_rank_process
+from magistral_cli.runtime import spawn_ranks
+from magistral_cli.runtime.distributed import run_jobs
 
 from .common import FAIL, ProbeResult, device_missing_reason, skip
 
-#: A rank that waits on a collective longer than this fails instead of hanging the probe.
-COLLECTIVE_TIMEOUT_S = 180
-#: The whole process group (start-up included) must be done within this.
+#: The whole process group (start-up included) must be done within this. A rank that waits on
+#: a collective longer than ``runtime.distributed.COLLECTIVE_TIMEOUT_S`` fails instead of hanging.
 SPAWN_TIMEOUT_S = 900
 
 
@@ -122,49 +116,9 @@ def run_cp_requests(device: str, requests: list[CpRequest]) -> list[ProbeResult]
 
 def _visible(device: str) -> int | None:
     """How many ``device`` devices this machine has (None on the CPU: processes need no device)."""
-    if device == "cpu":
-        return None
-    import torch
+    from magistral_cli.runtime.device import device_count
 
-    return torch.cuda.device_count() if device == "cuda" else torch.npu.device_count()
-
-
-def _rank_main(
-    rank: int, world_size: int, device: str, init_file: str, jobs: list[dict], out_dir: str
-) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[device]
-    kwargs: dict[str, Any] = {}
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-        kwargs["device_id"] = torch.device("cuda", rank)
-    elif device == "npu":
-        import torch_npu  # noqa: F401
-
-        torch.npu.set_device(rank)
-    dist.init_process_group(
-        backend,
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-        **kwargs,
-    )
-    try:
-        results = []
-        for job in jobs:
-            try:
-                results.append(_run_job(job))
-            except Exception as error:  # reported per job, so one failure does not hide the others
-                trace = traceback.format_exc(limit=-4).strip().splitlines()[-4:]
-                results.append({"error": f"{type(error).__name__}: {error}", "where": trace})
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results), encoding="utf-8")
-    finally:
-        dist.destroy_process_group()
-    finish_rank_process(0)
+    return device_count(device)
 
 
 def _run_job(job: dict) -> dict:
@@ -173,34 +127,18 @@ def _run_job(job: dict) -> dict:
     return _module(probe).run_rank_job(**job)
 
 
+def _rank_jobs(_rank: int, jobs: list[dict]) -> list[dict]:
+    return run_jobs(_run_job, jobs)
+
+
 def spawn_rank_jobs(device: str, world_size: int, jobs: list[dict], timeout_s: float = SPAWN_TIMEOUT_S):
     """Run ``jobs`` on ``world_size`` fresh processes in one process group; every rank's results.
 
-    A job that raises gives ``{"error", "where"}`` in its place; a rank that dies, or a group
-    still running after ``timeout_s``, raises (the remaining processes are terminated).
+    A job that raises gives ``{"error", "where"}`` in its place; a rank that dies raises
+    ``RankFailure``, a group still running after ``timeout_s`` ``RankTimeout`` (a
+    ``TimeoutError``); the remaining processes are terminated (``runtime.spawn_ranks``).
     """
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory(prefix="magistral-cp-probe-") as tmp:
-        init_file = os.path.join(tmp, "init")
-        context = mp.start_processes(
-            _rank_main,
-            args=(world_size, device, init_file, jobs, tmp),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not context.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the rank processes ran past {timeout_s:.0f} s")
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.terminate()
-                    process.join(5)
-        return [json.loads(Path(tmp, f"rank{r}.json").read_text(encoding="utf-8")) for r in range(world_size)]
+    return spawn_ranks(_rank_jobs, world_size, (jobs,), device=device, timeout_s=timeout_s)
 
 
 # --------------------------------------------------------------------------- combining the ranks

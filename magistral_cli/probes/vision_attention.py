@@ -262,11 +262,13 @@ def run_rank_job(
     import torch.distributed as dist
 
     from magistral_cli.ops.context_parallel import apply_context_parallel
-    from magistral_cli.ops.context_parallel.equivalence import cp_meshes_for
     from magistral_cli.ops.vision_attention import apply_vision_attention, vision_attention_backend
+    from magistral_cli.runtime import device_type_of_backend
+
+    from .cp_harness import cp_meshes_for
 
     _, groups = cp_meshes_for(mode)
-    device = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}[dist.get_backend()]
+    device = device_type_of_backend(dist.get_backend())
     model = _build_model()
     # The language model runs the CP attention, as in a CP training run; the tower must not.
     apply_context_parallel(model, groups)

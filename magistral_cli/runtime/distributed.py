@@ -88,6 +88,27 @@ class RankFailure(RuntimeError):
     """A spawned rank raised, died or ran past its time; the message carries the rank's traceback."""
 
 
+class RankTimeout(RankFailure, TimeoutError):
+    """The rank processes were still running after ``spawn_ranks``'s ``timeout_s`` (they were stopped)."""
+
+
+def run_jobs(run_job: Callable[[Any], Any], jobs: Sequence[Any], *, where_lines: int = 4) -> list[Any]:
+    """``run_job(job)`` for every job in turn, on this rank; the list of their results.
+
+    A job that raises gives ``{"error": "Type: message", "where": [...]}`` (the last
+    ``where_lines`` lines of its traceback) in its place, and the jobs after it still run: one
+    failing check does not hide the others. For the body of a :func:`spawn_ranks` function.
+    """
+    results = []
+    for job in jobs:
+        try:
+            results.append(run_job(job))
+        except Exception as error:  # reported per job
+            where = traceback.format_exc(limit=-where_lines).strip().splitlines()[-where_lines:]
+            results.append({"error": f"{type(error).__name__}: {error}", "where": where})
+    return results
+
+
 def _rank_main(
     rank: int,
     fn: Callable[..., Any],
@@ -136,8 +157,8 @@ def spawn_ranks(
     list of every rank's return value comes back in rank order. Each rank joins the group (gloo
     on the CPU, NCCL on CUDA, HCCL on NPU, device = rank) before ``fn`` runs and leaves it after.
     CPU ranks share the cores (``threads`` each, default cores / world_size). A rank that raises
-    or dies, or a group still running after ``timeout_s``, raises :class:`RankFailure` naming the
-    rank (the other processes are terminated).
+    or dies raises :class:`RankFailure` naming the rank, a group still running after ``timeout_s``
+    :class:`RankTimeout` (also a ``TimeoutError``); the other processes are terminated.
     """
     import torch.multiprocessing as mp
 
@@ -155,7 +176,7 @@ def spawn_ranks(
         try:
             while not context.join(timeout=1.0):
                 if deadline is not None and time.monotonic() > deadline:
-                    raise RankFailure(f"the {world_size} rank processes ran past {timeout_s:.0f} s")
+                    raise RankTimeout(f"the {world_size} rank processes ran past {timeout_s:.0f} s")
         except mp.ProcessExitedException as error:
             failure = error
         finally:

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from magistral_cli.checkpoint.dcp_to_hf import export_dcp_to_hf
 from magistral_cli.checkpoint.keys import transformers_to_official_key
-from magistral_cli.runtime import finish_rank_process
+from magistral_cli.runtime import spawn_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -19,8 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distrib
 COLUMN_SPLIT = "model.multi_modal_projector.linear_1.weight"
 
 
-def _save_sharded(rank: int, world: int, port: int, config, state: dict, path: str) -> None:
-    import torch.distributed as dist
+def _save_sharded(rank: int, config, state: dict, path: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.fsdp import fully_shard
@@ -28,38 +24,22 @@ def _save_sharded(rank: int, world: int, port: int, config, state: dict, path: s
 
     from magistral_cli.testing.tiny_model import build_tiny_model
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        model = build_tiny_model(config, dtype=torch.bfloat16)
-        model.load_state_dict(state)
-        for layer in model.model.language_model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-        sd = get_model_state_dict(model)
-        assert all(type(v).__name__ == "DTensor" for v in sd.values())
-        # One tensor split by columns instead of rows: the export must assemble it whole.
-        key = COLUMN_SPLIT
-        sd[key] = distribute_tensor(sd[key].full_tensor(), sd[key].device_mesh, [Shard(1)])
-        dcp.save({"model": sd, "step": 7}, checkpoint_id=path)
-    finally:
-        dist.destroy_process_group()
-    finish_rank_process(0)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    model = build_tiny_model(config, dtype=torch.bfloat16)
+    model.load_state_dict(state)
+    for layer in model.model.language_model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    sd = get_model_state_dict(model)
+    assert all(type(v).__name__ == "DTensor" for v in sd.values())
+    # One tensor split by columns instead of rows: the export must assemble it whole.
+    key = COLUMN_SPLIT
+    sd[key] = distribute_tensor(sd[key].full_tensor(), sd[key].device_mesh, [Shard(1)])
+    dcp.save({"model": sd, "step": 7}, checkpoint_id=path)
 
 
 def test_fsdp2_sharded_checkpoint_exports_whole_tensors(tiny_hf, tmp_path):
     ckpt = tmp_path / "checkpoints" / "step_7"
-    mp.spawn(
-        _save_sharded, args=(2, _free_port(), tiny_hf.config, tiny_hf.state, str(ckpt)), nprocs=2, join=True
-    )
+    spawn_ranks(_save_sharded, 2, (tiny_hf.config, tiny_hf.state, str(ckpt)))
     from magistral_cli.checkpoint.validate import read_dcp_metadata
 
     metadata = read_dcp_metadata(ckpt)

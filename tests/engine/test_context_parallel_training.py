@@ -8,20 +8,15 @@ run resumed from a CP checkpoint must continue exactly.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from magistral_cli.engine.parallelize import ParallelDims
 from magistral_cli.engine.trainer import Trainer
 from magistral_cli.errors import UserError
 from magistral_cli.ops.context_parallel import check_cp_model, check_cp_recipe, cp_communication_count
-from magistral_cli.runtime import finish_rank_process
+from magistral_cli.runtime import spawn_ranks
 
 from .helpers import make_recipe, write_tiny_model
 
@@ -58,28 +53,20 @@ def _train(model_dir: Path, run_dir: Path, overrides: list[str], max_steps: int 
     return [[r[k] for r in records] for k in ("loss", "grad_norm", "tokens")] + [info]
 
 
-def _worker(rank: int, init_file: str, model_dir: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        model, out = Path(model_dir), Path(out_dir)
-        results = {}
-        # Ulysses, checkpointing every 2 steps.
-        results["ulysses"] = _train(model, out / "ulysses", CP_ULYSSES, save_interval=2)
-        # The same run stopped after step 2 (its checkpoint), then resumed by a new trainer.
-        first = _train(model, out / "resumed", CP_ULYSSES, max_steps=2, save_interval=2, resume="auto")
-        second = _train(model, out / "resumed", CP_ULYSSES, save_interval=2, resume="auto")
-        results["resumed"] = [a + b for a, b in zip(first[:3], second[:3], strict=True)] + [second[3]]
-        # Micro-batch 1 x accumulation 2: the same global batch, and every other micro-batch is
-        # text-only (the vision tower then runs on a blank image, on every CP rank alike).
-        results["ring"] = _train(
-            model, out / "ring", CP_RING, micro_batch_size=1, gradient_accumulation_steps=2
-        )
-        results["refused"] = _refused_batches(model, out / "refused")
-        (out / f"rank{rank}.json").write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
-    finish_rank_process(0)
+def _worker(rank: int, model_dir: str, out_dir: str) -> dict:
+    model, out = Path(model_dir), Path(out_dir)
+    results = {}
+    # Ulysses, checkpointing every 2 steps.
+    results["ulysses"] = _train(model, out / "ulysses", CP_ULYSSES, save_interval=2)
+    # The same run stopped after step 2 (its checkpoint), then resumed by a new trainer.
+    first = _train(model, out / "resumed", CP_ULYSSES, max_steps=2, save_interval=2, resume="auto")
+    second = _train(model, out / "resumed", CP_ULYSSES, save_interval=2, resume="auto")
+    results["resumed"] = [a + b for a, b in zip(first[:3], second[:3], strict=True)] + [second[3]]
+    # Micro-batch 1 x accumulation 2: the same global batch, and every other micro-batch is
+    # text-only (the vision tower then runs on a blank image, on every CP rank alike).
+    results["ring"] = _train(model, out / "ring", CP_RING, micro_batch_size=1, gradient_accumulation_steps=2)
+    results["refused"] = _refused_batches(model, out / "refused")
+    return results
 
 
 def _refused_batches(model_dir: Path, run_dir: Path) -> list[str]:
@@ -103,29 +90,19 @@ def _refused_batches(model_dir: Path, run_dir: Path) -> list[str]:
     return errors
 
 
-def _dp_worker(rank: int, init_file: str, model_dir: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4)
-    try:
-        # dp 2 x Ulysses 2, micro-batch 1 per dp rank: the global batch of 2 of the reference.
-        result = {"dp_cp": _train(Path(model_dir), Path(out_dir) / "dp_cp", CP_ULYSSES, micro_batch_size=1)}
-        # Hybrid: Ulysses 2 x Ring 2 over the 4 ranks, with the decoder layers recomputed in backward.
-        result["hybrid"] = _train(Path(model_dir), Path(out_dir) / "hybrid", CP_HYBRID)
-        (Path(out_dir) / f"dp_rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
-    finish_rank_process(0)
+def _dp_worker(rank: int, model_dir: str, out_dir: str) -> dict:
+    # dp 2 x Ulysses 2, micro-batch 1 per dp rank: the global batch of 2 of the reference.
+    result = {"dp_cp": _train(Path(model_dir), Path(out_dir) / "dp_cp", CP_ULYSSES, micro_batch_size=1)}
+    # Hybrid: Ulysses 2 x Ring 2 over the 4 ranks, with the decoder layers recomputed in backward.
+    result["hybrid"] = _train(Path(model_dir), Path(out_dir) / "hybrid", CP_HYBRID)
+    return result
 
 
 @pytest.mark.slow
 def test_ulysses_and_ring_training_equal_cp1_and_resume_exactly(tmp_path):
     model_dir = tmp_path / "model"
     write_tiny_model(model_dir)
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(
-            _worker, args=(os.path.join(tmp, "init"), str(model_dir), str(tmp_path)), nprocs=2, join=True
-        )
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = spawn_ranks(_worker, 2, (str(model_dir), str(tmp_path)), threads=1)
 
     # The CP=1 reference: 1 process, the same global batch (micro-batch 2, dp 1).
     reference, ref_norms, ref_tokens, ref_info = _train(model_dir, tmp_path / "cp1", [])
@@ -207,11 +184,7 @@ def test_four_processes_data_parallel_times_ulysses_and_hybrid_equal_cp1(tmp_pat
     (Ulysses 2 x Ring 2) with activation checkpointing trains like CP=1 too."""
     model_dir = tmp_path / "model"
     write_tiny_model(model_dir)
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(
-            _dp_worker, args=(os.path.join(tmp, "init"), str(model_dir), str(tmp_path)), nprocs=4, join=True
-        )
-    ranks = [json.loads((tmp_path / f"dp_rank{r}.json").read_text()) for r in range(4)]
+    ranks = spawn_ranks(_dp_worker, 4, (str(model_dir), str(tmp_path)), threads=1)
     reference, ref_norms, ref_tokens, _ = _train(model_dir, tmp_path / "cp1", [])
     for name, (dp, cp) in {"dp_cp": (2, 2), "hybrid": (1, 4)}.items():
         losses, norms, tokens, info = ranks[0][name]

@@ -10,19 +10,13 @@ the seed's recipes.
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from magistral_cli.engine.parallelize import held_gradient_bytes
 from magistral_cli.engine.trainer import Trainer
-from magistral_cli.runtime import finish_rank_process
+from magistral_cli.runtime import spawn_ranks
 
 from .helpers import make_recipe, write_tiny_model
 
@@ -57,30 +51,18 @@ def _measure(model_dir: Path, run_dir: Path, defer: bool) -> dict:
         trainer.close()
 
 
-def _worker(rank: int, init_file: str, model_dir: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        out = Path(out_dir)
-        result = {
-            mode: _measure(Path(model_dir), out / mode, mode == "deferred")
-            for mode in ("default", "deferred")
-        }
-        (out / f"rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
-    finish_rank_process(0)
+def _worker(rank: int, model_dir: str, out_dir: str) -> dict:
+    out = Path(out_dir)
+    return {
+        mode: _measure(Path(model_dir), out / mode, mode == "deferred") for mode in ("default", "deferred")
+    }
 
 
 def test_default_reduce_scatters_every_micro_batch_and_deferred_holds_full_gradients(tmp_path):
     model_dir = tmp_path / "model"
     write_tiny_model(model_dir)
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(
-            _worker, args=(os.path.join(tmp, "init"), str(model_dir), str(tmp_path)), nprocs=2, join=True
-        )
-    for rank in range(2):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    results = spawn_ranks(_worker, 2, (str(model_dir), str(tmp_path)), threads=1)
+    for rank, result in enumerate(results):
         default, deferred = result["default"], result["deferred"]
         trainable = default["trainable_params"]
         shard = default["local_shard_params"]

@@ -10,21 +10,17 @@ device is the host, so the measured peak is compared with the plan's host total.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from typer.testing import CliRunner
 
 from magistral_cli.cli.main import app
 from magistral_cli.config import load_recipe
 from magistral_cli.engine import memory_plan as mp_plan
 from magistral_cli.engine.synthetic import BOS_TOKEN_ID, FIRST_TEXT_ID, IMAGE_TOKEN_ID, SyntheticBatches
-from magistral_cli.runtime import finish_rank_process
+from magistral_cli.runtime import spawn_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny" / "tiny_cpu.yaml"
@@ -242,58 +238,42 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
-def _measure_worker(
-    rank: int, init_file: str, recipe_path: str, overrides: list[str], out_dir: str, steps: int
-):
+def _measure_worker(rank: int, recipe_path: str, overrides: list[str], steps: int) -> dict:
+    """On a rank already in the 2-process group (1 thread): the memory figures of training."""
     from magistral_cli.engine.trainer import Trainer
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    recipe = load_recipe(recipe_path, overrides)
+    train = recipe.training
+    data = FullLengthBatches(
+        vocab_size=json.loads((Path(recipe.model.model_name_or_path) / "config.json").read_text())[
+            "text_config"
+        ]["vocab_size"],
+        seq_len=recipe.data.dataset_param.basic_parameters.cutoff_len,
+        micro_batch_size=train.micro_batch_size,
+        grad_accumulation=train.gradient_accumulation_steps,
+        dp_rank=rank,
+        dp_size=2,
+        seed=train.seed,
+    )
+    baseline = _status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts here
+    trainer = Trainer(recipe, data=data)
+    built = _status("VmRSS") - baseline
     try:
-        recipe = load_recipe(recipe_path, overrides)
-        train = recipe.training
-        data = FullLengthBatches(
-            vocab_size=json.loads((Path(recipe.model.model_name_or_path) / "config.json").read_text())[
-                "text_config"
-            ]["vocab_size"],
-            seq_len=recipe.data.dataset_param.basic_parameters.cutoff_len,
-            micro_batch_size=train.micro_batch_size,
-            grad_accumulation=train.gradient_accumulation_steps,
-            dp_rank=rank,
-            dp_size=2,
-            seed=train.seed,
-        )
-        baseline = _status("VmRSS")
-        Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts here
-        trainer = Trainer(recipe, data=data)
-        built = _status("VmRSS") - baseline
-        try:
-            trainer.train(max_steps=steps)
-        finally:
-            trainer.close()
-        result = {
-            "baseline": baseline,
-            "built": built,  # parameter shards, loaded
-            "peak": _status("VmHWM") - baseline,
-            "after": _status("VmRSS") - baseline,  # parameters and optimizer states (grads are freed)
-        }
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+        trainer.train(max_steps=steps)
     finally:
-        dist.destroy_process_group()
-    finish_rank_process(0)
+        trainer.close()
+    return {
+        "baseline": baseline,
+        "built": built,  # parameter shards, loaded
+        "peak": _status("VmHWM") - baseline,
+        "after": _status("VmRSS") - baseline,  # parameters and optimizer states (grads are freed)
+    }
 
 
-def measure_two_ranks(recipe: Path, overrides: list[str], out_dir: Path, steps: int = 2) -> list[dict]:
+def measure_two_ranks(recipe: Path, overrides: list[str], steps: int = 2) -> list[dict]:
     """Each rank's measured peak RSS above its pre-model baseline (bytes) for 2-process training."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(
-            _measure_worker,
-            args=(os.path.join(tmp, "init"), str(recipe), overrides, str(out_dir), steps),
-            nprocs=2,
-            join=True,
-        )
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+    return spawn_ranks(_measure_worker, 2, (str(recipe), overrides, steps), threads=1)
 
 
 def write_model(directory: Path, **config) -> None:
@@ -356,7 +336,7 @@ def test_the_cpu_estimate_matches_the_measured_peak_of_two_process_training(name
     +5.7%), memory the allocator keeps rather than tensors the plan counts."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
     overrides, plan = cpu_case(name, tmp_path)
-    ranks = measure_two_ranks(TINY, overrides, tmp_path / "measured")
+    ranks = measure_two_ranks(TINY, overrides)
     measured = max(r["peak"] for r in ranks)
     estimated = plan.host_peak
     items = {i.key: round(i.gib, 3) for i in plan.items}

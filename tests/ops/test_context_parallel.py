@@ -2,10 +2,11 @@
 
 Each world size is spawned once (module fixture) and runs every check; the tests below read
 its results. Attention alone is compared with full causal SDPA; the model checks run one
-training step of the tiny Mistral3 with two images (see ``run_cp_equivalence``).
-The chunked-loss variant uses the module's own chunked cross entropy (same contract as the
-trainer's chunked loss: the sum over the local tokens divided by the global count). "fsdp"
-runs shard the model with FSDP2 over dp x cp, with param_dtype bf16 for the bf16 ones.
+training step of the tiny Mistral3 with two images (see
+``magistral_cli.probes.cp_harness.run_cp_equivalence``). The chunked-loss variant uses the
+trainer's chunked loss head (``ops.chunked_loss``: the sum over the local tokens divided by the
+global count). "fsdp" runs shard the model with FSDP2 over dp x cp, with param_dtype bf16 for
+the bf16 ones.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ FOUR = {
 
 
 def _run(world_size: int, jobs: dict) -> dict:
-    from magistral_cli.ops.context_parallel.equivalence import spawn_cp_jobs
+    from magistral_cli.probes.cp_harness import spawn_cp_jobs
 
     per_rank = spawn_cp_jobs(world_size, list(jobs.values()))
     results = {}

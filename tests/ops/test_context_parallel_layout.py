@@ -63,6 +63,15 @@ def test_batch_checks_reject_what_cp_cannot_keep_exact():
         validate_cp_batch(torch.ones(1, 1, 4, 4))
 
 
+def test_batch_check_of_a_device_mask_does_not_read_it_back():
+    # A mask already on a device gets the shape check only (its host copy is checked, as the
+    # trainer checks every micro-batch): reading values back would synchronise every step. The
+    # meta device stands for it here: it holds no values, so any read-back would fail.
+    validate_cp_batch(torch.tensor([[0, 1, 1, 1]], device="meta"))
+    with pytest.raises(ContextParallelError, match="custom masks"):
+        validate_cp_batch(torch.ones(1, 1, 4, 4, device="meta"))
+
+
 def test_recipe_check_rejects_neat_packing_with_cp():
     from magistral_cli.config.schema import Recipe
     from magistral_cli.errors import UserError

@@ -69,3 +69,32 @@ def test_maps_are_consistent():
     assert resolve_device_type("cpu") == "cpu"
     with pytest.raises(ValueError, match="unknown device type"):
         device_module("tpu")
+
+
+def _job(value: int) -> int:
+    if value < 0:
+        raise ValueError(f"negative {value}")
+    return value * 2
+
+
+def test_run_jobs_reports_a_failing_job_in_its_place_and_runs_the_rest():
+    from magistral_cli.runtime.distributed import run_jobs
+
+    first, failed, last = run_jobs(_job, [1, -1, 3])
+    assert (first, last) == (2, 6)
+    assert failed["error"] == "ValueError: negative -1"
+    assert any("raise ValueError" in line for line in failed["where"]), failed
+
+
+def _sleeps(rank: int) -> None:
+    import time
+
+    time.sleep(60)
+
+
+def test_a_group_past_its_time_is_stopped_with_a_timeout_error():
+    from magistral_cli.runtime.distributed import RankTimeout
+
+    with pytest.raises(RankTimeout, match="the 2 rank processes ran past 1 s") as info:
+        spawn_ranks(_sleeps, 2, threads=1, timeout_s=1)
+    assert isinstance(info.value, TimeoutError) and isinstance(info.value, RankFailure)

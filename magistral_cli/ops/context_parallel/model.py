@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from magistral_cli.ops.attention import right_padding_problem
 from magistral_cli.ops.context_parallel.attention import (
     bind_cp_groups,
     cp_attention_enabled,
@@ -64,31 +65,6 @@ def cross_entropy_loss(hidden, lm_head, labels, num_items):
     return total / num_items
 
 
-def chunked_cross_entropy_loss(chunk_size: int) -> LossFn:
-    """Cross entropy over sequence chunks, each recomputed in backward (no full logits kept).
-
-    A self-contained stand-in with the same contract as the trainer's chunked loss, used to
-    check that a loss which splits the sequence again composes with the CP split.
-    """
-    if chunk_size < 1:
-        raise ValueError("chunk_size must be positive")
-    from torch.utils.checkpoint import checkpoint
-
-    def _chunk(hidden, labels, lm_head):
-        logits = lm_head(hidden).float()
-        return F.cross_entropy(
-            logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
-
-    def loss_fn(hidden, lm_head, labels, num_items):
-        total = hidden.new_zeros((), dtype=torch.float32)
-        for h, y in zip(hidden.split(chunk_size, dim=1), labels.split(chunk_size, dim=1), strict=True):
-            total = total + checkpoint(_chunk, h, y, lm_head, use_reentrant=False)
-        return total / num_items
-
-    return loss_fn
-
-
 def shift_labels(labels: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """``labels[:, 1:]`` with an ignored last position (the target of token ``t`` is ``t+1``)."""
     shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
@@ -99,30 +75,28 @@ def shift_labels(labels: torch.Tensor, attention_mask: torch.Tensor | None = Non
 
 
 def validate_cp_batch(attention_mask: torch.Tensor | None) -> None:
-    """Refuse what CP cannot keep exact: custom masks, packed-sample masks, left padding."""
-    if attention_mask is None:
-        return
-    if attention_mask.ndim != 2:
+    """Refuse what CP cannot keep exact: custom masks, packed-sample masks, left padding.
+
+    The rule is ``ops.attention.right_padding_problem``, the one the trainer applies. The values
+    of a mask on the CPU are checked here; a mask already on an accelerator gets the shape check
+    only, since reading its values back would synchronise with the device on every micro-batch:
+    its host copy must have been checked, as the trainer checks every micro-batch on the host
+    (``validate_right_padding``) before moving it to the device.
+    """
+    problem = right_padding_problem(
+        attention_mask, read_values=attention_mask is not None and attention_mask.device.type == "cpu"
+    )
+    if problem == "shape":
         raise ContextParallelError(
             f"context parallelism got a {attention_mask.ndim}-D attention mask; only a 2-D right-padding "
             "mask (or none) is supported, custom masks are not"
         )
-    bad_values, left_padding = (
-        torch.stack(
-            (
-                ((attention_mask != 0) & (attention_mask != 1)).any(),
-                ((attention_mask[:, 1:] != 0) & (attention_mask[:, :-1] == 0)).any(),
-            )
-        )
-        .cpu()
-        .tolist()
-    )
-    if bad_values:
+    if problem == "values":
         raise ContextParallelError(
             "context parallelism does not support neat_packing (the attention mask holds sample ids); "
             "set data.dataset_param.basic_parameters.neat_packing: false"
         )
-    if left_padding:
+    if problem == "left_padding":
         raise ContextParallelError(
             "context parallelism supports right padding only; the attention mask has padding before tokens"
         )

@@ -5,24 +5,23 @@ fixed weights, labels and position ids, twice on every rank of an initialised pr
 the CP=1 reference (the unmodified transformers forward, or the same loss function on the
 unsplit sequence) and the CP step. It returns the measured loss relative error, the gradient
 relative L2 over every trainable parameter and the SGD-update relative L2. It applies no
-thresholds: the caller (probe, test) does.
+thresholds: the caller (probe, test) does. With ``chunk_loss`` both runs use the trainer's own
+chunked loss (``engine.model.install_loss_head`` and ``loss_head_sum``, i.e.
+``ops.chunked_loss``), as a CP training run with ``features.enable_chunk_loss`` does.
 
 Mixed precision follows FSDP2's ``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=fp32)``:
 fp32 master weights, a ``dtype`` compute copy, fp32 gradients and fp32 SGD updates.
 
-:func:`run_attention_equivalence` checks the attention alone against full causal SDPA.
-:func:`spawn_cp_jobs` runs either on ``world_size`` CPU processes with gloo (tests, quickstart).
+:func:`run_attention_equivalence` checks the attention alone against full causal SDPA, and
+:func:`run_vision_guard_check` that the communication guard bites. :func:`spawn_cp_jobs` runs
+a list of these jobs on ``world_size`` fresh rank processes (``runtime.spawn_ranks``: gloo on
+the CPU, NCCL / HCCL on one device per rank) and returns every rank's results (the tests).
 """
 
 from __future__ import annotations
 
 import copy
-import json
-import os
-import tempfile
-import traceback
 import types
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -41,27 +40,22 @@ from magistral_cli.ops.context_parallel.layout import gather_from_cp, split_for_
 from magistral_cli.ops.context_parallel.model import (
     IGNORE_INDEX,
     apply_context_parallel,
-    chunked_cross_entropy_loss,
     remove_context_parallel,
     shift_labels,
 )
-from magistral_cli.runtime import finish_rank_process
+from magistral_cli.runtime import device_module, device_type_of_backend, parse_dtype, spawn_ranks
+from magistral_cli.runtime.distributed import run_jobs
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from .common import relative_l2
+
 _GROUPS: dict[tuple[int, int], tuple[ContextParallelMesh, ContextParallelGroups]] = {}
 
 
-def relative_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12)).item()
-
-
 def _device() -> torch.device:
-    backend = dist.get_backend()
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    if backend == "hccl":
-        return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
-    return torch.device("cpu")
+    """This rank's device, from the process group's backend (gloo: the CPU)."""
+    device_type = device_type_of_backend(dist.get_backend())
+    module = device_module(device_type)
+    return torch.device("cpu") if module is None else torch.device(device_type, module.current_device())
 
 
 def cp_meshes_for(mode: str, ulysses_size: int | None = None, ring_size: int | None = None):
@@ -78,10 +72,6 @@ def cp_meshes_for(mode: str, ulysses_size: int | None = None, ring_size: int | N
 
 def cp_groups_for(mode: str, ulysses_size: int | None = None, ring_size: int | None = None):
     return cp_meshes_for(mode, ulysses_size, ring_size)[1]
-
-
-def _to_dtype(dtype) -> torch.dtype:
-    return _DTYPES[dtype] if isinstance(dtype, str) else dtype
 
 
 # --------------------------------------------------------------------------- attention alone
@@ -108,13 +98,13 @@ def run_attention_equivalence(
     from magistral_cli.ops.context_parallel.ring import BLOCK_KERNELS
 
     groups = cp_groups_for(mode, ulysses_size, ring_size)
-    dtype, device = _to_dtype(dtype), _device()
+    dtype, device = parse_dtype(dtype), _device()
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen).to(device, dtype)
 
-    q, k, v = randn(batch, heads, seq_len, head_dim), randn(batch, kv_heads, seq_len, head_dim), None
+    q, k = randn(batch, heads, seq_len, head_dim), randn(batch, kv_heads, seq_len, head_dim)
     v = randn(batch, kv_heads, seq_len, head_dim)
     dout = randn(batch, heads, seq_len, head_dim)
     scale = head_dim**-0.5
@@ -271,10 +261,11 @@ def run_cp_equivalence(
     world unless ``ulysses_size`` / ``ring_size`` are given (the rest is data parallel, whose
     replicas hold the same batch). Every rank returns the same numbers.
 
-    The loss is the plain transformers one, or with ``chunk_loss`` this module's chunked cross
-    entropy (``chunk_size`` tokens a chunk), or ``loss_fn`` (a :data:`model.LossFn`, e.g. the
-    trainer's chunked loss) for both runs. ``recompute`` checkpoints every decoder layer;
-    ``right_padding`` pads the batch on the right with a mask.
+    The loss is the plain transformers one, or with ``chunk_loss`` the trainer's chunked loss
+    (``lm_head`` turned into the trainer's ``LossHead``, ``chunk_size`` tokens a chunk, called
+    through ``loss_head_sum`` as the trainer's CP forward calls it), or ``loss_fn`` (a
+    ``ops.context_parallel.model.LossFn``) for both runs. ``recompute`` checkpoints every decoder
+    layer; ``right_padding`` pads the batch on the right with a mask.
 
     ``fsdp=False``: fp32 master weights and a ``dtype`` compute copy; CP partial gradients are
     averaged over the CP group by hand. ``fsdp=True``: the model is sharded with
@@ -284,7 +275,7 @@ def run_cp_equivalence(
     from magistral_cli.testing.tiny_model import build_tiny_model, tiny_mistral3_config
 
     meshes, groups = cp_meshes_for(mode, ulysses_size, ring_size)
-    dtype, device = _to_dtype(dtype), _device()
+    dtype, device = parse_dtype(dtype), _device()
     master = build_tiny_model(tiny_mistral3_config(vocab_size=512), seed=seed).to(device).train()
     master.config.text_config._attn_implementation = "sdpa"
     if recompute:  # activation checkpointing of every decoder layer: attention reruns in backward
@@ -292,6 +283,12 @@ def run_cp_equivalence(
     if freeze_vision:
         master.model.vision_tower.requires_grad_(False)
         master.model.multi_modal_projector.requires_grad_(False)
+    if loss_fn is None and chunk_loss:
+        from magistral_cli.engine.model import install_loss_head, loss_head_sum
+
+        # Before sharding and before the compute copy, as the trainer installs it.
+        install_loss_head(master, "lm_head", chunk_size)
+        loss_fn = loss_head_sum
     if fsdp:
         _shard_like_the_trainer(master, meshes, dtype)
         compute = master
@@ -307,8 +304,6 @@ def run_cp_equivalence(
     )
     if not fsdp:
         batch["pixel_values"] = batch["pixel_values"].to(dtype)
-    if loss_fn is None and chunk_loss:
-        loss_fn = chunked_cross_entropy_loss(chunk_size)
 
     def step(forward, cp: bool):
         optimizer.zero_grad(set_to_none=True)
@@ -384,49 +379,6 @@ def run_cp_equivalence(
     }
 
 
-# --------------------------------------------------------------------------- CPU processes
-
-
-def _run_job(job: dict) -> dict:
-    job = dict(job)
-    kind = job.pop("kind")
-    if kind == "attention":
-        return run_attention_equivalence(**job)
-    if kind == "model":
-        return run_cp_equivalence(**job)
-    if kind == "guard":
-        return run_vision_guard_check(**job)
-    raise ValueError(f"unknown job kind {kind!r}")
-
-
-def _spawn_main(rank: int, world_size: int, init_file: str, jobs: list[dict], out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        results = []
-        for job in jobs:
-            try:
-                results.append(_run_job(job))
-            except Exception as error:  # reported per job, so one failure does not hide the rest
-                trace = traceback.format_exc(limit=-4)
-                results.append({"job": job, "error": f"{type(error).__name__}: {error}", "traceback": trace})
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results), encoding="utf-8")
-    finally:
-        dist.destroy_process_group()
-    finish_rank_process(0)
-
-
-def spawn_cp_jobs(world_size: int, jobs: list[dict]) -> list[list[dict]]:
-    """Run ``jobs`` (``{"kind": "attention" | "model", **kwargs}``) on ``world_size`` gloo CPU
-    processes; returns every rank's list of results."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        mp.spawn(_spawn_main, args=(world_size, init_file, jobs, tmp), nprocs=world_size, join=True)
-        return [json.loads(Path(tmp, f"rank{r}.json").read_text(encoding="utf-8")) for r in range(world_size)]
-
-
 def run_vision_guard_check(mode: str = "ulysses") -> dict:
     """Show that the communication guard bites: a CP collective inside a forbidden block raises,
     and a model whose vision tower was given the CP attention is refused."""
@@ -454,3 +406,31 @@ def run_vision_guard_check(mode: str = "ulysses") -> dict:
     except ContextParallelError as error:
         result["vision_error"] = str(error)
     return result
+
+
+# --------------------------------------------------------------------------- rank processes
+
+
+_JOBS = {"attention": run_attention_equivalence, "model": run_cp_equivalence, "guard": run_vision_guard_check}
+
+
+def run_cp_job(job: dict) -> dict:
+    """One job, ``{"kind": "attention" | "model" | "guard", **kwargs}``, on this rank."""
+    job = dict(job)
+    kind = job.pop("kind")
+    if kind not in _JOBS:
+        raise ValueError(f"unknown job kind {kind!r}")
+    return _JOBS[kind](**job)
+
+
+def _rank_jobs(_rank: int, jobs: list[dict]) -> list[dict]:
+    return run_jobs(run_cp_job, jobs)
+
+
+def spawn_cp_jobs(
+    world_size: int, jobs: list[dict], *, device: str = "cpu", timeout_s: float | None = None
+) -> list[list[dict]]:
+    """Run ``jobs`` (see :func:`run_cp_job`) on ``world_size`` fresh rank processes; every rank's
+    list of results. A job that raises gives ``{"error", "where"}`` in its place (the others
+    still run); a rank that dies raises ``runtime.distributed.RankFailure``."""
+    return spawn_ranks(_rank_jobs, world_size, (jobs,), device=device, timeout_s=timeout_s, threads=1)
