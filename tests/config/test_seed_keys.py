@@ -151,7 +151,7 @@ CHECKS: dict[str, Reads | Probe | Refused | Gated] = {
     "parallel.fsdp_plan.reduce_dtype": Reads("fp32", "engine/parallelize.py"),
     "parallel.fsdp_plan.num_to_forward_prefetch": Probe(2, _prefetch),
     "parallel.fsdp_plan.num_to_backward_prefetch": Probe(2, _prefetch),
-    "parallel.fsdp_plan.use_triton_split_copy": Reads(False, "engine/trainer.py"),
+    "parallel.fsdp_plan.use_triton_split_copy": Reads(False, "engine/parallelize.py"),
     "parallel.ring_attention_size": Reads(2, "engine/parallelize.py"),
     "parallel.ulysses_parallel_size": Reads(2, "engine/parallelize.py"),
     # data: dataset
@@ -209,17 +209,17 @@ CHECKS: dict[str, Reads | Probe | Refused | Gated] = {
     "model.model_name_or_path": Reads("/other/model", "engine/trainer.py", "model.model_name_or_path"),
     "model.trust_remote_code": Reads(True, "engine/trainer.py", "model.trust_remote_code"),
     "model.attn_implementation": Reads("sdpa", "engine/trainer.py"),
-    "model.freeze": Reads(["model.vision_tower"], "engine/trainer.py", "model.freeze"),
+    "model.freeze": Reads(["model.vision_tower"], "engine/parallelize.py", "model.freeze"),
     # features
     "features.loss_cfg.loss_type": Reads("per_token_loss", "engine/trainer.py"),
-    "features.recompute": Reads(False, "engine/trainer.py", "features.recompute"),
+    "features.recompute": Reads(False, "engine/parallelize.py", "features.recompute"),
     "features.recompute_plan.apply_modules": Reads(
-        ["model.language_model.layers.{*}"], "engine/trainer.py", "recompute_plan.apply_modules"
+        ["model.language_model.layers.{*}"], "engine/parallelize.py", "recompute_plan.apply_modules"
     ),
     "features.enable_chunk_loss": Reads(True, "engine/trainer.py"),
     "features.chunkloss_plan.apply_module": Reads("other", "engine/trainer.py"),
     "features.chunkloss_plan.chunk_size": Reads(256, "engine/trainer.py"),
-    "features.contiguous_linear_grad_modules": Reads([], "engine/trainer.py"),
+    "features.contiguous_linear_grad_modules": Reads([], "engine/parallelize.py"),
     "features.activation_offload_plan.apply_modules": Gated(
         "features.enable_activation_offload", True, "activation offload is not supported"
     ),
