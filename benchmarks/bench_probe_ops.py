@@ -127,12 +127,15 @@ def bench_contiguous_linear(device: str, repeats: int) -> None:
     if device == "cpu":
         print("contiguous Linear skipped on the CPU (the path is for NPU / CUDA bf16)")
         return
-    from magistral_cli.ops.contiguous_linear import apply_contiguous_linear_grad
+    from magistral_cli.config.patterns import select_modules
+    from magistral_cli.ops.contiguous_linear import WHAT, apply_contiguous_linear_grad
 
     x = torch.randn(8192, 5120, device=device, dtype=torch.bfloat16, requires_grad=True)
     native = torch.nn.Sequential(torch.nn.Linear(5120, 5120, bias=False)).to(device, torch.bfloat16)
     ours = torch.nn.Sequential(torch.nn.Linear(5120, 5120, bias=False)).to(device, torch.bfloat16)
-    apply_contiguous_linear_grad(ours, ["0"], device=device, param_dtype=torch.bfloat16)
+    apply_contiguous_linear_grad(
+        select_modules(ours, ["0"], what=WHAT), device=device, param_dtype=torch.bfloat16
+    )
 
     def step(model):
         model(x).sum().backward()

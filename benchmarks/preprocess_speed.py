@@ -95,7 +95,7 @@ def timed_preprocess(recipe) -> tuple[float, object]:
 
     tokenizer._BACKENDS.clear()
     started = time.perf_counter()
-    result = run_preprocess(recipe, show_progress=False)
+    result = run_preprocess(recipe)
     return time.perf_counter() - started, result
 
 

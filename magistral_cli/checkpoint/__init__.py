@@ -2,8 +2,11 @@
 
 Public entry points (import them from their modules; this package imports nothing heavy):
 
-- ``keys``: ``official_to_transformers_key``, ``to_transformers_key``, ``transformers_to_dcp_key``,
-  ``dcp_to_transformers_key``, ``DCP_MODEL_PREFIX`` (where each DCP layout puts the model keys).
+- ``keys``: ``official_to_transformers_key``, ``transformers_to_official_key``, ``to_transformers_key``,
+  ``DCP_MODEL_PREFIX`` (where each DCP layout puts the model keys), ``CONVERSION_LAYOUTS``.
+- ``layout``: where things sit on disk: ``DCP_METADATA``, ``MEGATRON_RELEASE_DIR``, ``MEGATRON_TRACKER``,
+  ``LATEST``, ``step_dir_name``, ``is_dcp_dir``, ``latest_name``, ``list_checkpoints``.
+- ``hf``: a Hugging Face model directory's files (``CONFIG``, ``WEIGHT_INDEX``, ``SINGLE_WEIGHTS``).
 - ``hf_to_dcp.convert_hf_to_dcp(model_dir, dcp_dir, layout="fsdp2"|"megatron", progress=None, fsync=False)``
 - ``dcp_to_hf.export_dcp_to_hf(dcp_dir, model_dir, out_dir, layout="official"|"transformers", progress=None, fsync=False)``
 - ``validate.validate_dcp(model_dir, dcp_dir, layout)`` (+ ``require_valid``), ``validate.model_keys(model_dir)``,

@@ -31,12 +31,8 @@ from pathlib import Path
 from magistral_cli.errors import CheckFailed, UserError
 
 from .hf import HFWeights, read_hf_weights, require_model_dir
-from .keys import (
-    CONVERSION_LAYOUTS,
-    MEGATRON_PREFIX,
-    MEGATRON_RELEASE_DIR,
-    to_transformers_key,
-)
+from .keys import CONVERSION_LAYOUTS, MEGATRON_PREFIX, to_transformers_key
+from .layout import MEGATRON_RELEASE_DIR, MEGATRON_TRACKER
 from .safetensors_io import TensorSpec
 from .staging import refuse_existing, staged_directory
 from .validate import (
@@ -49,8 +45,6 @@ from .validate import (
     validate_dcp,
 )
 
-#: Megatron's tracker file: names the iteration directory to load ("release" for converted weights).
-MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 #: Megatron's ``checkpoint_version`` entry (MindSpeed-MM's DCP conversions store 3.0).
 MEGATRON_CHECKPOINT_VERSION = 3.0
 

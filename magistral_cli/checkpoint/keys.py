@@ -15,11 +15,13 @@ DCP layout puts before the transformers key:
 | fsdp2      | ``lm_head.weight``             | the transformers state dict itself, at the root    |
 | engine     | ``model.lm_head.weight``       | ``{"model": <transformers keys>, "optimizer": ...}`` (training checkpoints) |
 | megatron   | ``model.model.lm_head.weight`` | ``{"model": <megatron keys>, "checkpoint_version": 3.0}`` under ``release/`` |
+
+Where these checkpoints sit on disk (``.metadata``, ``release/``, ``step_<N>/``) is ``layout``'s.
 """
 
 from __future__ import annotations
 
-LAYOUTS = ("official", "transformers", "megatron")
+#: What MindSpeed-MM's megatron wrapper puts before every transformers key.
 MEGATRON_PREFIX = "model."
 
 # (official prefix, transformers prefix); the first match wins, so longer prefixes come first.
@@ -58,49 +60,7 @@ def to_transformers_key(key: str) -> str:
     return key if is_transformers_key(key) else official_to_transformers_key(key)
 
 
-def transformers_to_megatron_key(key: str) -> str:
-    return MEGATRON_PREFIX + key
-
-
-def megatron_to_transformers_key(key: str) -> str:
-    if not key.startswith(MEGATRON_PREFIX + "model.") and not key.startswith(MEGATRON_PREFIX + "lm_head."):
-        raise KeyError(
-            f"{key!r} is not a key of the megatron layout (expected 'model.model.*' or 'model.lm_head.*')"
-        )
-    return key[len(MEGATRON_PREFIX) :]
-
-
-def convert_key(key: str, src: str, dst: str) -> str:
-    """Map ``key`` from layout ``src`` to layout ``dst`` (each one of LAYOUTS)."""
-    if src not in LAYOUTS or dst not in LAYOUTS:
-        raise ValueError(f"layouts must be among {LAYOUTS}, got {src!r} -> {dst!r}")
-    if src == "official":
-        key = official_to_transformers_key(key)
-    elif src == "megatron":
-        key = megatron_to_transformers_key(key)
-    if dst == "official":
-        return transformers_to_official_key(key)
-    if dst == "megatron":
-        return transformers_to_megatron_key(key)
-    return key
-
-
 #: DCP layout -> prefix of the model's transformers keys among the checkpoint's flattened keys.
 DCP_MODEL_PREFIX = {"fsdp2": "", "engine": "model.", "megatron": "model." + MEGATRON_PREFIX}
 #: The DCP layouts ``hf-to-dcp`` writes (``engine`` checkpoints come from training).
 CONVERSION_LAYOUTS = ("fsdp2", "megatron")
-#: Sub-directory that holds a megatron-layout DCP (Megatron's "release" iteration).
-MEGATRON_RELEASE_DIR = "release"
-
-
-def transformers_to_dcp_key(key: str, dcp_layout: str) -> str:
-    """``lm_head.weight`` -> its flattened DCP key in ``dcp_layout`` (fsdp2, engine or megatron)."""
-    return DCP_MODEL_PREFIX[dcp_layout] + key
-
-
-def dcp_to_transformers_key(key: str, dcp_layout: str) -> str:
-    """The inverse of ``transformers_to_dcp_key``."""
-    prefix = DCP_MODEL_PREFIX[dcp_layout]
-    if not key.startswith(prefix):
-        raise KeyError(f"{key!r} is not a model key of the {dcp_layout} DCP layout (prefix {prefix!r})")
-    return key[len(prefix) :]

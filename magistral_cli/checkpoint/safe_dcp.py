@@ -46,8 +46,6 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from magistral_cli.errors import UserError
 
-METADATA_FILE = ".metadata"
-
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 
 #: (module, name) -> why a DCP ``.metadata`` pickle may reference it. Every entry either is a

@@ -20,10 +20,10 @@ from pathlib import Path
 
 from magistral_cli.errors import CheckFailed, UserError
 
-from .hf import require_model_dir
-from .keys import DCP_MODEL_PREFIX, MEGATRON_RELEASE_DIR
+from .hf import CONFIG, require_model_dir
+from .keys import DCP_MODEL_PREFIX
+from .layout import DCP_METADATA, LATEST, MEGATRON_RELEASE_DIR, latest_name, list_checkpoints
 
-DCP_METADATA = ".metadata"
 SHOWN = 5
 
 
@@ -62,7 +62,7 @@ def config_dtype(model_dir: Path) -> str | None:
     """config.json's ``dtype`` (transformers >= 4.56) or ``torch_dtype`` (older files), at the top
     level or in ``text_config``; None when absent or not a floating torch dtype name ("auto")."""
     try:
-        data = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+        data = json.loads((Path(model_dir) / CONFIG).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None  # read_model_config has already said what is wrong with the file
     for section in (data, data.get("text_config") or {}):
@@ -223,8 +223,6 @@ def resolve_dcp_checkpoint(dcp_dir: str | Path) -> Path:
         return path
     if (path / MEGATRON_RELEASE_DIR / DCP_METADATA).is_file():
         return path / MEGATRON_RELEASE_DIR
-    from magistral_cli.engine.checkpoint import latest_name, list_checkpoints
-
     name, problem = latest_name(path)
     if name is not None and (path / name / DCP_METADATA).is_file():
         return path / name
@@ -232,7 +230,7 @@ def resolve_dcp_checkpoint(dcp_dir: str | Path) -> Path:
     if complete:
         # latest is missing, names something else, or points outside: the newest step_N instead.
         return complete[0]
-    if (path / "latest").exists() and (problem or name is not None):
+    if (path / LATEST).exists() and (problem or name is not None):
         raise UserError(
             f"{path}: {problem or f'latest names {name}, which holds no complete DCP checkpoint ({DCP_METADATA})'}"
         )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
@@ -16,3 +18,38 @@ def emit_json(obj: Any) -> None:
     """Print one JSON object on stdout (the machine contract in DESIGN.md)."""
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
     sys.stdout.flush()
+
+
+@contextmanager
+def rows_progress(description: str = "encoding") -> Iterator[Callable[[int, int], None]]:
+    """A rich progress bar (rows: done/total, time left) on stderr, driven by a core's
+    ``progress(done, total)`` callback (``data.pipeline.ProgressFn``).
+
+    The bar appears at the first call only, so a job that has nothing to do (a cache hit)
+    shows none; it disappears when the block ends.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar: Progress | None = None
+    task = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar, task
+        if bar is None:
+            bar = Progress(
+                TextColumn(description),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                console=console,
+                transient=True,
+            )
+            bar.start()
+            task = bar.add_task(description, total=total)
+        bar.update(task, completed=done, total=total)
+
+    try:
+        yield update
+    finally:
+        if bar is not None:
+            bar.stop()

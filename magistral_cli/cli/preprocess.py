@@ -7,7 +7,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from .output import console, emit_json
+from .output import console, emit_json, rows_progress
 
 
 def preprocess(
@@ -48,21 +48,24 @@ def preprocess(
 
     A second run with the same dataset, tokenizer, processor and parameters reuses the cache
     entry; any change makes a new one. The report (kept, dropped by reason, lengths, images,
-    speed) is also written as report.json beside the cache entry.
+    speed) is also written as report.json beside the cache entry. With val_size it shows the
+    train / validation sample counts (the split is made when training starts, not cached).
     """
     from magistral_cli.config.loader import load_recipe
     from magistral_cli.data.inspection import export_jsonl as write_jsonl
     from magistral_cli.data.inspection import inspect_samples, plain_text, rich_text
     from magistral_cli.data.pipeline import plan_preprocess, run_preprocess
-    from magistral_cli.data.report import render_report
+    from magistral_cli.data.report import render_report, with_split
 
     loaded = load_recipe(recipe, list(overrides or []))
     plan = plan_preprocess(loaded, overwrite=True if overwrite_cache else None)
-    result = run_preprocess(loaded, show_progress=True, console=console, strict=strict, plan=plan)
+    with rows_progress("encoding") as progress:
+        result = run_preprocess(loaded, progress=progress, strict=strict, plan=plan)
     dataset = result.dataset
     if result.reused:
         console.print(f"[green]cache hit:[/] reusing {dataset.path} (same dataset, tokenizer and parameters)")
-    render_report(result.report, console, entry=str(dataset.path), reused=result.reused)
+    report = with_split(result.report, loaded, len(dataset))
+    render_report(report, console, entry=str(dataset.path), reused=result.reused)
 
     inspected = inspect_samples(dataset, plan.tokenizer, inspect) if inspect else []
     for item in inspected:
@@ -84,7 +87,7 @@ def preprocess(
                 "cache_entry": str(dataset.path),
                 "fingerprint": dataset.fingerprint,
                 "reused": result.reused,
-                "report": result.report,
+                "report": report,
                 "inspect": [
                     {k: v for k, v in item.items() if k != "spans"} | {"text": plain_text(item["spans"])}
                     for item in inspected

@@ -4,6 +4,9 @@
 call. It is idempotent: the same inputs find the existing cache entry (a lock file makes
 concurrent callers, such as the ranks of one node, wait for the first one instead of
 encoding the same data again).
+
+Progress is reported through a ``progress(done_rows, total_rows)`` callback, as checkpoint
+conversion reports bytes; the CLI passes a rich progress bar (DESIGN.md, "Layers").
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from magistral_cli.assets.hashing import sha256_file
 from magistral_cli.errors import CheckFailed, UserError
 
 from . import cache as cache_mod
@@ -28,7 +32,6 @@ from .tokenizer import (
     TekkenTokenizer,
     check_against_model_config,
     load_tokenizer,
-    sha256_file,
     tokenizer_files,
 )
 
@@ -115,12 +118,6 @@ def plan_preprocess(recipe, *, overwrite: bool | None = None) -> PreprocessPlan:
     dp = recipe.data.dataset_param
     pre, basic = dp.preprocess_parameters, dp.basic_parameters
     check_template(basic.template)
-    if basic.neat_packing:
-        raise UserError(
-            "neat_packing is not supported (the FSDP2 attention paths take no per-sample masks); set "
-            "data.dataset_param.basic_parameters.neat_packing=false, and packing=false if samples must not attend "
-            "to each other"
-        )
     if dp.dataset_type != "huggingface":
         raise UserError(
             f"dataset_type {dp.dataset_type!r} is not supported; use 'huggingface' (LLaVA/ShareGPT JSON)"
@@ -131,10 +128,10 @@ def plan_preprocess(recipe, *, overwrite: bool | None = None) -> PreprocessPlan:
     config_path = model_dir / "config.json"
     model_files: dict[str, str] = {}
     if config_path.is_file():
-        model_files["config.json"] = sha256_file(config_path)
+        model_files["config.json"] = sha256_file(config_path)[0]
     for name in ("preprocessor_config.json", "processor_config.json"):
         if (model_dir / name).is_file():
-            model_files[name] = sha256_file(model_dir / name)
+            model_files[name] = sha256_file(model_dir / name)[0]
     settings = load_image_settings(model_dir, pre.image_min_pixels, pre.image_max_pixels, pre.image_grid)
     params = EncodeParams.from_recipe(recipe, dataset_dir)
     fmt = RecordFormat.from_attr(dp.attr)
@@ -153,7 +150,7 @@ def plan_preprocess(recipe, *, overwrite: bool | None = None) -> PreprocessPlan:
         overwrite=basic.overwrite_cache if overwrite is None else overwrite,
     )
     plan.fingerprint_parts = {
-        "dataset_sha256": sha256_file(dataset),
+        "dataset_sha256": sha256_file(dataset)[0],
         "tokenizer": tokenizer_ids,
         "model_files": model_files,
         "image_settings": settings.fingerprint_fields(),
@@ -232,16 +229,23 @@ def _entry_lock(plan: PreprocessPlan):
         yield
 
 
+#: progress(done_rows, total_rows), called once before the first row is encoded (done 0) and
+#: after every encoded chunk; never called on a cache hit.
+ProgressFn = Callable[[int, int], None]
+
+
 def run_preprocess(
     recipe,
     *,
-    show_progress: bool = True,
-    console=None,
+    progress: ProgressFn | None = None,
     overwrite: bool | None = None,
     strict: bool = False,
     plan: PreprocessPlan | None = None,
 ) -> PreprocessResult:
-    """Encode the recipe's dataset into the cache, or reuse the entry with the same fingerprint."""
+    """Encode the recipe's dataset into the cache, or reuse the entry with the same fingerprint.
+
+    ``progress(done_rows, total_rows)`` is told how far the encoding is (see ``ProgressFn``).
+    """
     plan = plan or plan_preprocess(recipe, overwrite=overwrite)
     with _entry_lock(plan):
         if cache_mod.is_complete(plan.entry) and not plan.overwrite:
@@ -253,14 +257,13 @@ def run_preprocess(
         started = time.perf_counter()
         rows = read_rows(plan.dataset, plan.max_samples)
         writer = cache_mod.CacheWriter()
-        with _progress(show_progress, console, len(rows)) as advance:
-            for part in _encode_all(plan, rows, advance):
-                for item in part:
-                    if isinstance(item, EncodedSample):
-                        writer.add(item)
-                    else:
-                        index, drop = item
-                        writer.drop(index, drop.reason, drop.detail)
+        for part in _encode_all(plan, rows, _counter(progress, len(rows))):
+            for item in part:
+                if isinstance(item, EncodedSample):
+                    writer.add(item)
+                else:
+                    index, drop = item
+                    writer.drop(index, drop.reason, drop.detail)
         if strict and writer.drops:
             _raise_strict(writer.drops)
         if not len(writer):
@@ -298,27 +301,19 @@ def _raise_strict(drops: list[dict]) -> None:
     )
 
 
-@contextlib.contextmanager
-def _progress(show: bool, console, total: int):
-    if not show:
-        yield lambda n: None
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+def _counter(progress: ProgressFn | None, total: int) -> Callable[[int], None]:
+    """``advance(rows)`` for ``_encode_all``: adds up the rows and tells ``progress`` the sum."""
+    if progress is None:
+        return lambda n: None
+    done = 0
+    progress(0, total)
 
-    if console is None:
-        from magistral_cli.cli.output import console as default_console
+    def advance(n: int) -> None:
+        nonlocal done
+        done += n
+        progress(done, total)
 
-        console = default_console
-    with Progress(
-        TextColumn("encoding"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
-    ) as bar:
-        task = bar.add_task("encode", total=total)
-        yield lambda n: bar.advance(task, n)
+    return advance
 
 
 def image_settings_of(dataset: cache_mod.EncodedDataset) -> ImageSettings:

@@ -15,12 +15,12 @@ cannot resolve ``<s>`` or ``[IMG]`` would otherwise produce samples that are sil
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from magistral_cli.assets.hashing import sha256_file
 from magistral_cli.errors import UserError
 
 #: Tekken's pre-tokenizer pattern (the value of ``config.pattern`` in every tekken.json).
@@ -98,15 +98,6 @@ class TekkenTokenizer:
     def to_str(self) -> str:
         """Serialized backend, to rebuild the same tokenizer in a worker process."""
         return self.backend.to_str()
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    """SHA-256 of a file, streamed."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def resolve_tokenizer_source(model_dir: Path, source: str) -> Literal["official", "unsloth"]:
@@ -262,7 +253,7 @@ def tokenizer_files(
     path = model_dir / ("tekken.json" if kind == "official" else "tokenizer.json")
     if kind == "official":
         _check_tekken_version(path)
-    files = {path.name: sha256_file(path)}
+    files = {path.name: sha256_file(path)[0]}
     # split_special_tokens and fix_mistral_regex change the ids: both are part of the identity.
     files["options"] = f"split_special_tokens={split_special_tokens},fix_mistral_regex={fix_mistral_regex}"
     return kind, path, files

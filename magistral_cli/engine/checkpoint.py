@@ -22,11 +22,9 @@ directory that holds checkpoints (see ``choose_resume``).
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import time
@@ -34,44 +32,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
+
+# The directory layout (step_<N>, latest, .metadata) is checkpoint/'s; re-exported for the trainer.
+from magistral_cli.checkpoint.layout import DCP_METADATA, LATEST, list_checkpoints, step_dir_name
+from magistral_cli.checkpoint.layout import latest_name as latest_name
+from magistral_cli.checkpoint.packed import checkpoint_sizes as checkpoint_sizes
+from magistral_cli.checkpoint.packed import pack as pack
+from magistral_cli.checkpoint.packed import unpack as unpack
 
 log = logging.getLogger(__name__)
 
-LATEST = "latest"
 TMP_PREFIX = ".tmp_step_"
-METADATA = ".metadata"
 INTEGRITY = "integrity.json"
 DIGEST = "xxh3_64"
-STEP_DIR = re.compile(r"step_(\d+)")
 _READ_CHUNK = 8 << 20
 #: This process's timings of its last save (seconds): DCP write, integrity hashing, commit.
 LAST_SAVE: dict[str, float] = {}
 #: Fault injection for the crash-safety test: ``kill-during-save:<step>[:<rank>]`` SIGKILLs that
 #: rank after its shards of that step's checkpoint are written, before the checkpoint is committed.
 FAULT_ENV = "MAGISTRAL_FAULT_INJECT"
-
-
-def pack(obj: Any) -> torch.Tensor:
-    """``obj`` (tensors, numbers, strings, lists, tuples, dicts) as a uint8 tensor."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-
-
-def unpack(tensor: torch.Tensor) -> Any:
-    try:
-        return torch.load(io.BytesIO(tensor.cpu().numpy().tobytes()), weights_only=True)
-    except Exception as exc:  # an object weights_only refuses: say what, not a pickle traceback
-        raise ValueError(
-            f"a checkpoint entry holds an object torch.load(weights_only=True) refuses ({exc}); "
-            "state saved in checkpoints must be tensors, numbers, strings and containers of them"
-        ) from None
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step}"
 
 
 def resolve_save_dir(save: str | None, run_dir: Path) -> Path | None:
@@ -83,36 +63,6 @@ def resolve_save_dir(save: str | None, run_dir: Path) -> Path | None:
         return None
     path = Path(save)
     return path if path.is_absolute() else Path(run_dir) / path
-
-
-def latest_name(save_dir: Path) -> tuple[str | None, str | None]:
-    """(the ``step_<N>`` name ``save_dir/latest`` holds, or None; why it was not usable, or None).
-
-    ``latest`` is a hint for people and other tools; resume decides from the directories. A name
-    that is not ``step_<N>`` (a path, ``..``, garbage bytes) is never followed.
-    """
-    pointer = save_dir / LATEST
-    if not pointer.is_file():
-        return None, f"{pointer} does not exist" if save_dir.is_dir() else None
-    try:
-        name = pointer.read_bytes().decode("utf-8").strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        return None, f"{pointer} is unreadable ({exc.__class__.__name__})"
-    if not STEP_DIR.fullmatch(name):
-        return None, f"{pointer} holds {name[:80]!r}, not a step_<N> name in {save_dir}; it is not followed"
-    return name, None
-
-
-def list_checkpoints(save_dir: Path) -> list[tuple[int, Path]]:
-    """Every ``step_<N>`` directory in ``save_dir``, newest first (complete or not)."""
-    if not save_dir.is_dir():
-        return []
-    found = []
-    for entry in save_dir.iterdir():
-        match = STEP_DIR.fullmatch(entry.name)
-        if match and entry.is_dir():
-            found.append((int(match.group(1)), entry))
-    return sorted(found, reverse=True)
 
 
 def file_digest(path: Path) -> str:
@@ -138,7 +88,7 @@ def rank_files(checkpoint: Path, rank: int) -> list[Path]:
 def write_integrity(checkpoint: Path, files: dict[str, dict[str, Any]], step: int) -> None:
     """Record every file's size and digest (rank 0, before the checkpoint is committed)."""
     files = dict(files)
-    files[METADATA] = _describe(checkpoint / METADATA)
+    files[DCP_METADATA] = _describe(checkpoint / DCP_METADATA)
     record = {"format": 1, "algorithm": DIGEST, "step": step, "files": dict(sorted(files.items()))}
     path = checkpoint / INTEGRITY
     with open(path, "w", encoding="utf-8") as f:
@@ -175,8 +125,8 @@ def verify_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> Verific
     record_path = path / INTEGRITY
     if not record_path.is_file():
         result.recorded = False
-        if not (path / METADATA).is_file():
-            result.problems.append(f"{path} has no {METADATA} (an incomplete save)")
+        if not (path / DCP_METADATA).is_file():
+            result.problems.append(f"{path} has no {DCP_METADATA} (an incomplete save)")
         return result
     try:
         record = json.loads(record_path.read_text(encoding="utf-8"))
@@ -263,7 +213,7 @@ def refuse_fresh_start(save_dir: Path) -> None:
 
 def is_training_checkpoint(path: Path) -> bool:
     """Whether ``path`` is a DCP written by this trainer (it records the step)."""
-    if not (path / ".metadata").is_file():
+    if not (path / DCP_METADATA).is_file():
         return False
     from magistral_cli.checkpoint.safe_dcp import SafeFileSystemReader
 
@@ -394,13 +344,3 @@ def save_checkpoint(state: dict[str, Any], save_dir: Path, step: int) -> Path:
     dist.barrier()
     LAST_SAVE["commit_s"] = time.perf_counter() - hashed
     return final
-
-
-def checkpoint_sizes(path: Path, keys: list[str]) -> dict[str, torch.Size]:
-    """Sizes of the tensors ``keys`` in a DCP (packed entries have a size only known from the file)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from magistral_cli.checkpoint.safe_dcp import SafeFileSystemReader
-
-    metadata = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
-    return {k: metadata[k].size for k in keys if isinstance(metadata.get(k), TensorStorageMetadata)}

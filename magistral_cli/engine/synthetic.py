@@ -11,6 +11,10 @@ Sample ``k`` depends only on ``(seed, k)``. Step ``s`` uses global samples
 rank ``r`` takes the contiguous slice starting at ``s * G + r * micro_batch * accumulation`` and
 splits it into its micro-batches. So 1 process with micro-batch 2 sees exactly what 2 processes
 with micro-batch 1 see together, and micro-batch 2 x accumulation 1 what 1 x 2 sees.
+
+The one builder of synthetic micro-batches: the trainer (``dataset_type: synthetic``), the
+engine tests and benchmarks, and the ``train-smoke`` probe (``images_per_sample=2`` for its
+``multi`` mode) use it.
 """
 
 from __future__ import annotations
@@ -37,10 +41,17 @@ class SyntheticBatches:
         dp_size: int,
         seed: int,
         image_every: int = 2,
+        images_per_sample: int = 1,
         pixels_per_token: int = 28,
     ):
-        if seq_len < 16:
-            raise ValueError("synthetic batches need cutoff_len >= 16")
+        """``image_every``: every that many samples (by index) has images, 0 = none;
+        ``images_per_sample``: how many such a sample has (each 2 or 4 image tokens)."""
+        if images_per_sample < 1:
+            raise ValueError("images_per_sample must be >= 1")
+        if seq_len < 16 * images_per_sample:
+            raise ValueError(
+                f"synthetic batches with {images_per_sample} image(s) need cutoff_len >= {16 * images_per_sample}"
+            )
         self.vocab_size = vocab_size
         self.seq_len = seq_len
         self.micro_batch_size = micro_batch_size
@@ -49,6 +60,7 @@ class SyntheticBatches:
         self.dp_size = dp_size
         self.seed = seed
         self.image_every = image_every
+        self.images_per_sample = images_per_sample
         self.pixels_per_token = pixels_per_token
         self.yielded = 0
 
@@ -75,23 +87,32 @@ class SyntheticBatches:
         length = int(torch.randint(self.seq_len // 2, self.seq_len + 1, (1,), generator=g))
         ids = torch.randint(FIRST_TEXT_ID, self.vocab_size, (length,), generator=g)
         ids[0] = BOS_TOKEN_ID
-        image = None
-        n_image_tokens = 0
+        images = []
+        end = 1  # the images' tokens follow BOS, one text token between two images
         if self.image_every and index % self.image_every == 0:
-            # At least two image tokens: transformers squeezes a batch holding a single one to 1D.
-            rows, cols = int(torch.randint(1, 3, (1,), generator=g)), 2
-            n_image_tokens = rows * cols
-            ids[1 : 1 + n_image_tokens] = IMAGE_TOKEN_ID
-            side = self.pixels_per_token
-            image = torch.randn(3, rows * side, cols * side, generator=g)
-        prompt = 1 + n_image_tokens + int(torch.randint(1, max(2, length // 3), (1,), generator=g))
+            for k in range(self.images_per_sample):
+                # At least two image tokens: transformers squeezes a batch holding a single one to 1D.
+                rows, cols = int(torch.randint(1, 3, (1,), generator=g)), 2
+                start = end + (1 if k else 0)
+                end = start + rows * cols
+                ids[start:end] = IMAGE_TOKEN_ID
+                side = self.pixels_per_token
+                images.append(torch.randn(3, rows * side, cols * side, generator=g))
+        prompt = end + int(torch.randint(1, max(2, length // 3), (1,), generator=g))
         labels = ids.clone()
         labels[:prompt] = -100
-        return {"input_ids": ids, "labels": labels, "image": image}
+        return {"input_ids": ids, "labels": labels, "images": images}
+
+
+def _images(sample: dict) -> list[torch.Tensor]:
+    """A sample's images: its ``images`` list, or its one ``image`` (None: none)."""
+    if "images" in sample:
+        return list(sample["images"])
+    return [] if sample.get("image") is None else [sample["image"]]
 
 
 def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest sample; batch the images, zero-padded to the largest."""
+    """Right-pad to the longest sample; batch the images in sample order, zero-padded to the largest."""
     longest = max(s["input_ids"].numel() for s in samples)
     n = len(samples)
     input_ids = torch.full((n, longest), PAD_TOKEN_ID, dtype=torch.long)
@@ -108,7 +129,7 @@ def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
         "attention_mask": attention_mask,
         "position_ids": torch.arange(longest).unsqueeze(0).expand(n, -1).clone(),
     }
-    images = [s["image"] for s in samples if s["image"] is not None]
+    images = [image for s in samples for image in _images(s)]
     if images:
         h = max(im.shape[1] for im in images)
         w = max(im.shape[2] for im in images)

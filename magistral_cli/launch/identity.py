@@ -7,9 +7,7 @@ The dataset file is hashed, streamed.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import platform
 import re
 import socket
@@ -21,10 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from magistral_cli import __version__
-from magistral_cli.errors import CheckFailed, UserError
+from magistral_cli.assets.hashing import sha256_file
+from magistral_cli.assets.manifest import MANIFEST_NAME
+from magistral_cli.run_record import IDENTITY_NAME, record_resolved, write_json
 
-MANIFEST_NAME = "magistral-manifest.json"
-IDENTITY_NAME = "run_identity.json"
+# IDENTITY_NAME, write_json and record_resolved live in the root module run_record (the
+# engine records into the identity too); they stay importable from here.
 
 #: Environment variables worth recording (prefixes and exact names).
 _ENV_PREFIXES = (
@@ -50,15 +50,6 @@ _ENV_NAMES = (
 _SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_KEY|ACCESS_KEY", re.IGNORECASE)
 
 _VERSIONED = ("torch", "torch_npu", "transformers", "triton", "triton-ascend", "torchdata", "mistral_common")
-
-
-def sha256_file(path: str | Path, chunk: int = 8 << 20) -> str:
-    """SHA-256 of a file, streamed."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def package_versions() -> dict[str, str | None]:
@@ -137,7 +128,7 @@ def build_identity(
     """Everything ``run_identity.json`` records."""
     dataset_entry: dict[str, Any] = {"path": dataset, "sha256": None}
     if dataset and Path(dataset).is_file():
-        dataset_entry["sha256"] = sha256_file(dataset)
+        dataset_entry["sha256"] = sha256_file(dataset)[0]
     elif dataset:
         dataset_entry["missing"] = True
     return {
@@ -146,7 +137,7 @@ def build_identity(
         "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
         "source": source_git_sha(),
         "package_version": __version__,
-        "recipe": {"path": str(recipe_path), "sha256": sha256_file(recipe_path)},
+        "recipe": {"path": str(recipe_path), "sha256": sha256_file(recipe_path)[0]},
         "dataset": dataset_entry,
         "assets": read_asset_sums(model_dir),
         "versions": package_versions(),
@@ -158,40 +149,14 @@ def build_identity(
     }
 
 
-def write_json(path: Path, obj: Any) -> None:
-    """Write JSON through a temporary file and a rename, so readers never see half a file."""
-    text = json.dumps(obj, indent=2) + "\n"  # before the temporary file: a bad value leaves nothing behind
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as exc:
-        # A full disk (or a read-only one): no temporary file left behind, one message.
-        tmp.unlink(missing_ok=True)
-        raise CheckFailed(f"cannot write {path}: {exc.strerror or exc}; free space on that disk") from None
-
-
-def record_resolved(run_dir: str | Path, **fields: Any) -> Path:
-    """Add what only the training process can know to ``run_identity.json``, under ``"resolved"``.
-
-    The launcher writes the file on the host before torchrun starts, without touching the
-    device; choices made on the device (which AdamW kernel really runs, say) are recorded here
-    by rank 0 once they are made. Each field replaces the one of the same name; everything else
-    is kept. The update is atomic (write_json). A run started without the launcher gets a file
-    holding only ``"resolved"`` (and its run directory, if missing).
-    """
-    path = Path(run_dir) / IDENTITY_NAME
-    path.parent.mkdir(parents=True, exist_ok=True)
-    identity: dict[str, Any] = {}
-    if path.is_file():
-        try:
-            identity = json.loads(path.read_text(encoding="utf-8"))
-        except ValueError as exc:
-            raise UserError(
-                f"{path} is not valid JSON ({exc}); remove it or relaunch with `magistral train`"
-            ) from None
-        if not isinstance(identity, dict):
-            raise UserError(f"{path} holds a {type(identity).__name__}, not a run identity object")
-    identity.setdefault("resolved", {}).update(fields)
-    write_json(path, identity)
-    return path
+__all__ = [
+    "IDENTITY_NAME",
+    "MANIFEST_NAME",
+    "build_identity",
+    "package_versions",
+    "read_asset_sums",
+    "record_resolved",
+    "relevant_environment",
+    "source_git_sha",
+    "write_json",
+]

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from magistral_cli.config.patterns import select_modules
 from magistral_cli.errors import UserError
 
 WHAT = "features.contiguous_linear_grad_modules"
@@ -89,25 +88,25 @@ def check_module(name: str, module: torch.nn.Module) -> None:
 
 
 def apply_contiguous_linear_grad(
-    model: torch.nn.Module,
-    patterns: Iterable[str],
+    modules: Iterable[tuple[str, torch.nn.Module]],
     *,
     device: str,
     param_dtype: Any,
     force: bool = False,
 ) -> list[str]:
-    """Give the Linear layers matched by ``patterns`` a contiguous weight gradient.
+    """Give the (name, Linear layer) pairs ``modules`` a contiguous weight gradient.
 
-    Every matched module is checked (a biased or non-Linear module, or a pattern that matches
-    nothing, is a UserError) on every device. The custom forward is installed only where it
-    pays: ``device`` npu / cuda with ``param_dtype`` bf16 / fp16 (the compute dtype FSDP2
-    casts to); otherwise nothing changes. ``force=True`` installs it for any device and float
-    dtype (how the CPU tests exercise it). Returns the names of the modules changed.
+    The caller resolves ``features.contiguous_linear_grad_modules`` to modules (the engine's
+    ``parallelize_model`` does, with ``config.patterns.select_modules``: a pattern that matches
+    nothing is its UserError). Every module is checked (a biased or non-Linear module is a
+    UserError) on every device. The custom forward is installed only where it pays: ``device``
+    npu / cuda with ``param_dtype`` bf16 / fp16 (the compute dtype FSDP2 casts to); otherwise
+    nothing changes. ``force=True`` installs it for any device and float dtype (how the CPU tests
+    exercise it). Returns the names of the modules changed.
     """
-    patterns = list(patterns)
-    if not patterns:
+    modules = list(modules)
+    if not modules:
         return []
-    modules = select_modules(model, patterns, what=WHAT)
     for name, module in modules:
         check_module(name, module)
     dtype = _as_dtype(param_dtype)

@@ -1,9 +1,12 @@
-"""Probe ``train-smoke``: the small synthetic Mistral3 trains under FSDP2 for N steps on every rank.
+"""Probe ``train-smoke``: the trainer trains the tiny Mistral3 under FSDP2 for N steps on every rank.
 
 Starts ``--nproc`` rank processes with torchrun (gloo on the CPU, nccl on CUDA, hccl on NPU),
-each running :mod:`magistral_cli.probes.train_smoke_worker`, then reads every rank's JSON
-lines. PASS only if the processes exited 0 and every rank logged steps 1..N in order, each
-with a finite loss and finite gradients, and then its completion record.
+each running :mod:`magistral_cli.probes.train_smoke_worker`: the engine's ``Trainer`` from a
+recipe (tiny model in the official layout, the default FSDP2 plan, bf16 compute with fp32
+gradient reduction, synthetic batches with one or two images per sample). Then reads every
+rank's JSON lines. PASS only if the processes exited 0 and every rank logged steps 1..N in
+order, each with a finite loss, finite gradients and the update applied, and then its
+completion record.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ def read_records(out_dir: Path, nproc: int) -> dict[int, list[dict[str, Any]]]:
 
 
 def check_records(records: dict[int, list[dict[str, Any]]], nproc: int, steps: int) -> list[dict[str, Any]]:
-    """One case per rank: steps 1..``steps`` in order, finite loss and gradients, then done."""
+    """One case per rank: steps 1..``steps`` in order, finite loss and gradients, no update
+    skipped, no error, then done."""
     cases = []
     for rank in range(nproc):
         lines = records.get(rank, [])
@@ -72,6 +76,12 @@ def check_records(records: dict[int, list[dict[str, Any]]], nproc: int, steps: i
         bad_grad = [r["step"] for r in step_lines if r.get("grads_finite") is not True]
         if bad_grad:
             problems.append(f"non-finite gradients at steps {bad_grad[:5]}")
+        skipped = [r["step"] for r in step_lines if r.get("skipped")]
+        if skipped:
+            problems.append(f"the trainer skipped the update at steps {skipped[:5]}")
+        errors = [str(r["error"]) for r in lines if "error" in r]
+        if errors:
+            problems.append(f"error: {errors[0][:300]}")
         done = [r for r in lines if r.get("done")]
         if len(done) != 1 or done[0].get("steps") != steps:
             problems.append("no completion record")

@@ -1,10 +1,20 @@
 """One rank of the ``train-smoke`` probe (started by torchrun; see probes/train_smoke.py).
 
-Trains the small synthetic Mistral3 under FSDP2 (each decoder layer, then the root) with our
-per-image vision attention, for ``--steps`` steps on one image per sample (``default``) or two
-(``multi``). Each rank appends one JSON line per step to ``<out>/rank<N>.jsonl``: step, loss,
-whether its local gradient shards are finite, and their norm. It checks nothing itself: the
-parent reads the lines and decides, so a rank that dies or skips a step is caught there.
+Runs the real trainer, :class:`magistral_cli.engine.trainer.Trainer`, from a recipe: the tiny
+Mistral3 of :mod:`magistral_cli.testing.tiny_model`, written by rank 0 in the official layout
+(config.json, safetensors shards in the official key layout, index) and loaded through
+``training.load``; the recipe's default FSDP2 plan with bf16 compute and fp32 gradient
+reduction; ``parallel.device`` = the probe's device. The data is the engine's
+:class:`~magistral_cli.engine.synthetic.SyntheticBatches` with one image per sample
+(``default``) or two (``multi``); every step replays the first step's micro-batches, so a
+trainer that trains lowers the loss.
+
+Each rank appends one JSON line per step to ``<out>/rank<N>.jsonl``: step, the trainer's loss
+and gradient norm (all-reduced: the values it logs), whether this rank's gradient shards are
+finite and their norm, whether the trainer skipped the update. It checks nothing itself: the
+parent reads the lines and decides, so a rank that dies or skips a step is caught there. The
+trainer runs with ``training.skip_nonfinite_steps``, so a non-finite step is logged and the
+run goes on instead of stopping at it.
 """
 
 from __future__ import annotations
@@ -12,12 +22,25 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+import torch
+import torch.distributed as dist
+
+from magistral_cli.config.loader import validate_recipe
+from magistral_cli.engine.synthetic import SyntheticBatches
+from magistral_cli.engine.trainer import Trainer
+from magistral_cli.runtime import BACKENDS, init_distributed
+from magistral_cli.testing.tiny_model import build_tiny_model, save_official_checkpoint, tiny_mistral3_config
+
+#: The tiny model's vocabulary: small logits; the ids keep Magistral's layout (image token 10).
+VOCAB_SIZE = 512
 SEQUENCE_LENGTH = 256
+SEED = 42
+LR = 1.0e-4
 
 
 def _parse() -> argparse.Namespace:
@@ -30,28 +53,114 @@ def _parse() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def probe_recipe(model_dir: Path, run_dir: Path, device: str, steps: int) -> dict[str, Any]:
+    """The recipe every rank trains (before validation): recipe defaults unless named here."""
+    return {
+        "parallel": {"device": device, "fsdp_plan": {"param_dtype": "bf16", "reduce_dtype": "fp32"}},
+        "data": {
+            "dataset_param": {
+                "dataset_type": "synthetic",
+                "basic_parameters": {"cutoff_len": SEQUENCE_LENGTH},
+            }
+        },
+        "model": {"model_name_or_path": str(model_dir)},
+        "training": {
+            "micro_batch_size": 1,
+            "gradient_accumulation_steps": 1,
+            "train_iters": steps,
+            "lr": LR,
+            "lr_decay_style": "constant",
+            "seed": SEED,
+            "load": str(model_dir),
+            "output_dir": str(run_dir),
+            "save_interval": 0,
+            "skip_nonfinite_steps": True,
+        },
+    }
+
+
+class ReplayedBatches:
+    """A data source that replays ``source``'s first global batch every step.
+
+    The micro-batches of step ``poison_step`` (1-based) get NaN pixel values: the (frozen)
+    vision tower passes them into the decoder, so that step's loss and gradients are NaN (the
+    probe gives every sample an image).
+    """
+
+    def __init__(self, source, grad_accumulation: int, poison_step: int = 0):
+        self.source = source
+        self.grad_accumulation = grad_accumulation
+        self.poison_step = poison_step
+        self.yielded = 0
+
+    def state_dict(self) -> dict:
+        return {"micro_batches_yielded": self.yielded}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.yielded = int(state["micro_batches_yielded"])
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        step, micro = divmod(self.yielded, self.grad_accumulation)
+        self.source.load_state_dict({"micro_batches_yielded": micro})
+        batch = next(self.source)
+        self.yielded += 1
+        if step + 1 == self.poison_step and "pixel_values" in batch:
+            batch["pixel_values"] = batch["pixel_values"] * float("nan")
+        return batch
+
+
+def local_grad_stats(parameters) -> tuple[bool, float]:
+    """(every local gradient shard finite, their L2 norm) of this rank, in one device sync."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    if not grads:
+        return True, 0.0
+    finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+    squares = torch.stack([g.float().square().sum() for g in grads]).sum()
+    finite_flag, total = torch.stack([finite.float(), squares.float()]).tolist()
+    return bool(finite_flag), math.sqrt(total) if math.isfinite(total) else total
+
+
+class ProbeTrainer(Trainer):
+    """The trainer, plus one JSON line per step (its public step methods, extended)."""
+
+    def __init__(self, recipe, *, data, emit: Callable[[dict], None]):
+        self.emit = emit
+        self.local_grads = (True, 0.0)
+        super().__init__(recipe, data=data)
+
+    def optimizer_step(self, loss_sum=None):
+        # The gradients are this step's until the optimizer step zeroes them.
+        self.local_grads = local_grad_stats(self.trainable)
+        return super().optimizer_step(loss_sum)
+
+    def train_step(self, micro_batches):
+        start = time.perf_counter()
+        out = super().train_step(micro_batches)
+        targets = int(out["counts"][0])
+        finite, local_norm = self.local_grads
+        self.emit(
+            {
+                "step": self.step,
+                "loss": self.logged_loss(float(out["global_loss_sum"]), targets),
+                "grad_norm": float(out["grad_norm"]),
+                "grads_finite": finite,
+                "local_grad_norm": local_norm,
+                "skipped": bool(out["skipped"]),
+                "step_time_ms": (time.perf_counter() - start) * 1000.0,
+            }
+        )
+        return out
+
+
 def main() -> None:
     args = _parse()
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import Mistral3ForConditionalGeneration
-
-    from magistral_cli.ops.vision_attention import apply_vision_attention
-
-    from .synthetic import IMAGE_TOKEN_ID, TOKENS_PER_IMAGE, probe_mistral3_config
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if args.device == "npu":
-        import torch_npu  # noqa: F401
-
-        torch.npu.set_device(local_rank)
-    elif args.device == "cuda":
-        torch.cuda.set_device(local_rank)
-    device = torch.device(args.device, local_rank) if args.device != "cpu" else torch.device("cpu")
-    dist.init_process_group(BACKENDS[args.device])
+    init_distributed(args.device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model_dir, run_dir = args.out / "model", args.out / "run"
     log = (args.out / f"rank{rank}.jsonl").open("a", encoding="utf-8")
 
     def emit(record: dict) -> None:
@@ -59,79 +168,51 @@ def main() -> None:
         log.write(line + "\n")
         log.flush()
 
+    trainer, exit_status = None, 1
     try:
-        torch.manual_seed(42)  # the same initial weights on every rank
-        model = Mistral3ForConditionalGeneration(probe_mistral3_config())
-        apply_vision_attention(model, args.device)
-        model.to(device).train()
-        # As in the seed's smoke: the tower and projector are frozen, the decoder trains.
-        model.model.vision_tower.requires_grad_(False)
-        model.model.multi_modal_projector.requires_grad_(False)
-
-        mesh = init_device_mesh(args.device, (world,))
-        # bf16 compute with fp32 gradients reduced: the engine's default mixed precision.
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in model.model.language_model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-
+        if rank == 0:  # one copy of the weights, as a model directory on shared storage is
+            model = build_tiny_model(tiny_mistral3_config(vocab_size=VOCAB_SIZE), seed=SEED)
+            save_official_checkpoint(model, model_dir, num_shards=2)
+            del model
+        dist.barrier()
+        recipe = validate_recipe(probe_recipe(model_dir, run_dir, args.device, args.steps))
+        training = recipe.training
         images = 1 if args.mode == "default" else 2
-        generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own sample
-        input_ids = torch.randint(3, IMAGE_TOKEN_ID - 1, (1, SEQUENCE_LENGTH), generator=generator)
-        input_ids[:, 1 : 1 + TOKENS_PER_IMAGE * images] = IMAGE_TOKEN_ID
-        labels = input_ids.clone()
-        labels[labels == IMAGE_TOKEN_ID] = -100
-        pixel_values = torch.randn(images, 3, 16, 16, generator=generator)
-        image_sizes = torch.tensor([[16, 16]] * images)
-        input_ids, labels, pixel_values, image_sizes = (
-            t.to(device) for t in (input_ids, labels, pixel_values, image_sizes)
+        source = SyntheticBatches(
+            vocab_size=VOCAB_SIZE,
+            seq_len=SEQUENCE_LENGTH,
+            micro_batch_size=training.micro_batch_size,
+            grad_accumulation=training.gradient_accumulation_steps,
+            dp_rank=rank,  # no context parallelism: one data-parallel rank per process
+            dp_size=world,
+            seed=training.seed,
+            image_every=1,
+            images_per_sample=images,
         )
-
-        for step in range(1, args.steps + 1):
-            start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            output = model(
-                input_ids=input_ids,
-                pixel_values=pixel_values,
-                image_sizes=image_sizes,
-                labels=labels,
-                use_cache=False,
-            )
-            loss = output.loss
-            if step == args.poison_step:
-                loss = loss * float("nan")
-            loss.backward()
-            squares, finite = 0.0, True
-            for parameter in model.parameters():
-                if parameter.grad is None:
-                    continue
-                grad = parameter.grad.to_local() if hasattr(parameter.grad, "to_local") else parameter.grad
-                finite = finite and bool(torch.isfinite(grad).all())
-                squares += float(grad.float().square().sum())
-            optimizer.step()
-            emit(
-                {
-                    "step": step,
-                    "loss": float(loss.detach().float()),
-                    "grads_finite": finite,
-                    "local_grad_norm": math.sqrt(squares) if math.isfinite(squares) else squares,
-                    "step_time_ms": (time.perf_counter() - start) * 1000.0,
-                }
-            )
+        data = ReplayedBatches(source, training.gradient_accumulation_steps, args.poison_step)
+        trainer = ProbeTrainer(recipe, data=data, emit=emit)
+        trainer.train()
         emit(
             {
                 "done": True,
-                "steps": args.steps,
+                "steps": trainer.step,
                 "mode": args.mode,
                 "world_size": world,
-                "parameters": sum(p.numel() for p in model.parameters()),
+                "parameters": sum(p.numel() for p in trainer.model.parameters()),
+                "skipped_steps": getattr(trainer, "skipped_steps", 0),
             }
         )
         dist.barrier()
+        exit_status = 0
+    except BaseException as error:
+        emit({"error": f"{type(error).__name__}: {error}"})
+        raise
     finally:
+        if trainer is not None:
+            trainer.close(exit_status)  # summary.json in the run directory, as after `magistral train`
         log.close()
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

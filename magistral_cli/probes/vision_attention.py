@@ -44,10 +44,11 @@ def _build_model():
     import torch
     from transformers import Mistral3ForConditionalGeneration
 
-    from .synthetic import probe_mistral3_config
+    from magistral_cli.testing.tiny_model import tiny_mistral3_config
 
     torch.manual_seed(42)
-    return Mistral3ForConditionalGeneration(probe_mistral3_config())
+    # Patch size 2: the 16x24-pixel test images are 8x12 patches each.
+    return Mistral3ForConditionalGeneration(tiny_mistral3_config(vocab_size=512, patch_size=2))
 
 
 def _tower(model, device: str):

@@ -6,6 +6,9 @@ The shapes are small, the structure is Magistral-Small-2509's: patch size 14, sp
 writes it the way the official repository ships weights: ``config.json``, safetensors shards
 in the *official* key layout and ``model.safetensors.index.json``.
 
+It is the one small model of the tests, benchmarks, quickstart and probes; the probes that
+need many patches from small images (vision-attention) ask for ``patch_size=2``.
+
 The config is built the way the real file is: by default no ``tie_word_embeddings`` key
 anywhere (transformers then defaults the top-level flag to true, and the tying rule of
 ``magistral_cli.model_config`` makes the model untied, as Magistral is). ``tie=True`` gives a
@@ -36,11 +39,14 @@ def tiny_mistral3_config(
     num_attention_heads: int = 4,
     num_key_value_heads: int = 2,
     tie: bool | None = None,
+    patch_size: int = 14,
 ):
     """A transformers ``Mistral3Config`` with Magistral's structure and tiny sizes.
 
     ``tie``: None leaves ``tie_word_embeddings`` out, as Magistral's config.json does; True or
     False sets it in ``text_config`` (the flag that counts). The tying rule is applied.
+    ``patch_size``: Magistral's 14 (one image token per 28x28 pixels after the 2x2 merge); the
+    longest image edge stays 110 patches, as Magistral's 1540 pixels are.
     """
     from transformers import Mistral3Config
 
@@ -66,8 +72,8 @@ def tiny_mistral3_config(
         "num_hidden_layers": vision_layers,
         "num_attention_heads": 2,
         "head_dim": 16,
-        "image_size": 1540,
-        "patch_size": 14,
+        "image_size": 110 * patch_size,
+        "patch_size": patch_size,
         "num_channels": 3,
         "rope_theta": 10000.0,
     }
@@ -131,6 +137,7 @@ def save_official_checkpoint(
     import torch
     from safetensors.torch import save_file
 
+    from magistral_cli.checkpoint.hf import CONFIG, WEIGHT_INDEX
     from magistral_cli.checkpoint.keys import transformers_to_official_key
 
     out = Path(out_dir)
@@ -154,9 +161,9 @@ def save_official_checkpoint(
             weight_map[k] = name
             total += state[k].numel() * state[k].element_size()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    (out / WEIGHT_INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     config = official_config_dict(model.config, config_form)
     config.pop("torch_dtype", None)
     config["dtype"] = str(torch_dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return out

@@ -25,7 +25,7 @@ EXPECTED_DROPS = {
 def first_run(model_dir, broken_dataset, make_recipe, tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     recipe = make_recipe(model_dir, broken_dataset, cache)
-    return recipe, run_preprocess(recipe, show_progress=False)
+    return recipe, run_preprocess(recipe)
 
 
 def test_good_rows_kept_bad_rows_counted_by_reason(first_run):
@@ -58,14 +58,12 @@ def test_cache_holds_no_pickle_and_no_partial_entries(first_run):
 def test_second_run_reuses_and_changes_make_new_entries(first_run, model_dir, broken_dataset, make_recipe):
     recipe, result = first_run
     cache = result.dataset.path.parent
-    again = run_preprocess(recipe, show_progress=False)
+    again = run_preprocess(recipe)
     assert again.reused and again.dataset.path == result.dataset.path
-    longer = run_preprocess(
-        make_recipe(model_dir, broken_dataset, cache, basic={"cutoff_len": 8192}), show_progress=False
-    )
+    longer = run_preprocess(make_recipe(model_dir, broken_dataset, cache, basic={"cutoff_len": 8192}))
     assert not longer.reused and longer.dataset.path != result.dataset.path
     assert longer.report["dropped_by_reason"].get("image_tokens_truncated") is None  # fits now
-    forced = run_preprocess(recipe, show_progress=False, overwrite=True)
+    forced = run_preprocess(recipe, overwrite=True)
     assert not forced.reused and forced.dataset.path == result.dataset.path
 
 
@@ -76,18 +74,35 @@ def test_dataset_content_is_fingerprinted(tmp_path, model_dir, broken_dataset, m
     recipe = make_recipe(
         model_dir, data, tmp_path / "cache", basic={"dataset_dir": str(broken_dataset.parent)}
     )
-    first = run_preprocess(recipe, show_progress=False)
+    first = run_preprocess(recipe)
     data.write_text("\n".join(lines[:9]) + "\n")
-    second = run_preprocess(recipe, show_progress=False)
+    second = run_preprocess(recipe)
     assert not second.reused and second.dataset.path != first.dataset.path
     assert len(second.dataset) == len(first.dataset) - 1
+
+
+def test_progress_counts_rows_and_says_nothing_on_a_cache_hit(
+    tmp_path, model_dir, broken_dataset, make_recipe
+):
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(broken_dataset.read_text().splitlines()[:10]) + "\n")
+    recipe = make_recipe(
+        model_dir, data, tmp_path / "cache", basic={"dataset_dir": str(broken_dataset.parent)}
+    )
+    calls: list[tuple[int, int]] = []
+    run_preprocess(recipe, progress=lambda done, total: calls.append((done, total)))
+    assert calls[0] == (0, 10) and calls[-1] == (10, 10)
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls) and {t for _, t in calls} == {10}
+    hit: list[tuple[int, int]] = []
+    assert run_preprocess(recipe, progress=lambda done, total: hit.append((done, total))).reused
+    assert hit == []
 
 
 @pytest.mark.slow
 def test_two_workers_encode_the_same_samples(first_run, model_dir, broken_dataset, make_recipe, tmp_path):
     _, result = first_run
     recipe = make_recipe(model_dir, broken_dataset, tmp_path, basic={"preprocessing_num_workers": 2})
-    parallel = run_preprocess(recipe, show_progress=False)
+    parallel = run_preprocess(recipe)
     assert parallel.dataset.fingerprint == result.dataset.fingerprint  # workers are not an input
     for name in ("input_ids", "labels", "offsets", "source_index", "image_sizes"):
         np.testing.assert_array_equal(
@@ -99,7 +114,7 @@ def test_two_workers_encode_the_same_samples(first_run, model_dir, broken_datase
 def test_strict_names_the_first_dropped_row(first_run):
     recipe, _ = first_run
     with pytest.raises(CheckFailed, match=r"row 40 \(invalid_json\)"):
-        run_preprocess(recipe, show_progress=False, strict=True)
+        run_preprocess(recipe, strict=True)
 
 
 def _write_recipe(path, model_dir, dataset, cache):

@@ -51,7 +51,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-pytestmark = pytest.mark.slow
+from .helpers import skip_without_native_bf16
+
+pytestmark = [pytest.mark.slow, skip_without_native_bf16("the 1.95B-parameter bf16 step")]
 
 FIXTURE_CONFIG = Path(__file__).resolve().parents[1] / "fixtures" / "magistral-small-2509" / "config.json"
 #: Modules that do not train here: the default recipe's vision tower and projector, plus the
@@ -458,7 +460,7 @@ def test_one_full_width_step_matches_transformers(tmp_path):
     data_dir = tmp_path / "data"
     recipe = _recipe(model_dir, dcp_dir, data_dir, _write_dataset(data_dir), tmp_path)
     resolved = validate_recipe(recipe)
-    encoded = prepare_dataset(resolved, show_progress=False)
+    encoded = prepare_dataset(resolved)
     loaders = [iter(build_train_dataloader(resolved, encoded, dp_rank=r, dp_size=2)) for r in range(2)]
     steps = [[next(loader) for loader in loaders] for _ in range(2)]
     del loaders, encoded

@@ -70,7 +70,7 @@ def test_fused_adamw_is_chosen_only_where_a_fused_step_really_runs(tmp_path, cap
     constructor accepts the parameters and the kernel raises NotImplementedError on the step.
     """
     from magistral_cli.engine.optim import adamw_implementation, build_optimizer, fused_unavailable_reason
-    from magistral_cli.launch.identity import record_resolved
+    from magistral_cli.run_record import record_resolved
 
     fused = Training(train_iters=2, adam_fused=True)
     assert adamw_implementation(fused, "cpu") == (

@@ -55,7 +55,7 @@ def test_padding_continues_positions_and_ignores_labels():
 def test_batch_checks_reject_what_cp_cannot_keep_exact():
     validate_cp_batch(None)
     validate_cp_batch(torch.tensor([[1, 1, 1, 0]]))  # right padding
-    with pytest.raises(ContextParallelError, match="neat_packing"):
+    with pytest.raises(ContextParallelError, match="values other than 0 and 1"):
         validate_cp_batch(torch.tensor([[1, 1, 2, 2]]))
     with pytest.raises(ContextParallelError, match="right padding only"):
         validate_cp_batch(torch.tensor([[0, 1, 1, 1]]))
@@ -72,15 +72,15 @@ def test_batch_check_of_a_device_mask_does_not_read_it_back():
         validate_cp_batch(torch.ones(1, 1, 4, 4, device="meta"))
 
 
-def test_recipe_check_rejects_neat_packing_with_cp():
+def test_recipe_check_rejects_scored_padding_with_cp():
     from magistral_cli.config.schema import Recipe
     from magistral_cli.errors import UserError
 
     recipe = Recipe.model_validate({"training": {"train_iters": 1}})
     recipe.parallel.ulysses_parallel_size = 2
     check_cp_recipe(recipe)
-    recipe.data.dataset_param.basic_parameters.neat_packing = True
-    with pytest.raises(UserError, match="neat_packing"):
+    recipe.data.dataloader_param.collate_param.ignore_pad_token_for_loss = False
+    with pytest.raises(UserError, match="ignore_pad_token_for_loss"):
         check_cp_recipe(recipe)
     recipe.parallel.ulysses_parallel_size = 1
     check_cp_recipe(recipe)  # no CP: not this check's business

@@ -7,8 +7,9 @@ import copy
 import pytest
 import torch
 
+from magistral_cli.config.patterns import select_modules
 from magistral_cli.errors import UserError
-from magistral_cli.ops.contiguous_linear import ContiguousLinear, apply_contiguous_linear_grad
+from magistral_cli.ops.contiguous_linear import WHAT, ContiguousLinear, apply_contiguous_linear_grad
 from magistral_cli.testing.tiny_model import build_tiny_model, tiny_mistral3_config
 
 DOWN = "model.language_model.layers.{*}.mlp.down_proj"
@@ -35,7 +36,9 @@ def test_forced_path_equals_native_linear_and_keeps_identity_and_names(base_mode
     native, patched = copy.deepcopy(base_model), copy.deepcopy(base_model)
     names_before = list(patched.state_dict())
     params_before = {n: p for n, p in patched.named_parameters()}
-    changed = apply_contiguous_linear_grad(patched, [DOWN, Q], device="cpu", param_dtype=dtype, force=True)
+    changed = apply_contiguous_linear_grad(
+        select_modules(patched, [DOWN, Q], what=WHAT), device="cpu", param_dtype=dtype, force=True
+    )
     assert changed == [
         "model.language_model.layers.0.mlp.down_proj",
         "model.language_model.layers.1.mlp.down_proj",
@@ -59,7 +62,9 @@ def test_forced_path_equals_native_linear_and_keeps_identity_and_names(base_mode
 def test_forced_path_really_uses_the_custom_function():
     linear = torch.nn.Linear(8, 4, bias=False)
     model = torch.nn.Sequential(linear)
-    apply_contiguous_linear_grad(model, ["0"], device="cpu", param_dtype=torch.float32, force=True)
+    apply_contiguous_linear_grad(
+        select_modules(model, ["0"], what=WHAT), device="cpu", param_dtype=torch.float32, force=True
+    )
     x = torch.randn(3, 5, 8, requires_grad=True)
     y = model(x)
     assert "ContiguousLinear" in type(y.grad_fn).__name__
@@ -84,15 +89,30 @@ def test_custom_function_under_vmap():
 
 def test_cpu_and_fp32_keep_native_linear(base_model):
     model = copy.deepcopy(base_model)
-    assert apply_contiguous_linear_grad(model, [DOWN], device="cpu", param_dtype="bf16") == []
-    assert apply_contiguous_linear_grad(model, [DOWN], device="cuda", param_dtype="fp32") == []
-    assert apply_contiguous_linear_grad(model, [], device="cuda", param_dtype="bf16") == []
+    assert (
+        apply_contiguous_linear_grad(
+            select_modules(model, [DOWN], what=WHAT), device="cpu", param_dtype="bf16"
+        )
+        == []
+    )
+    assert (
+        apply_contiguous_linear_grad(
+            select_modules(model, [DOWN], what=WHAT), device="cuda", param_dtype="fp32"
+        )
+        == []
+    )
+    assert (
+        apply_contiguous_linear_grad(select_modules(model, [], what=WHAT), device="cuda", param_dtype="bf16")
+        == []
+    )
     assert "forward" not in vars(model.get_submodule("model.language_model.layers.0.mlp.down_proj"))
 
 
 def test_installed_for_cuda_bf16_but_cpu_inputs_stay_native(base_model):
     model = copy.deepcopy(base_model)
-    changed = apply_contiguous_linear_grad(model, [DOWN], device="cuda", param_dtype=torch.bfloat16)
+    changed = apply_contiguous_linear_grad(
+        select_modules(model, [DOWN], what=WHAT), device="cuda", param_dtype=torch.bfloat16
+    )
     assert len(changed) == 2
     module = model.get_submodule(changed[0])
     x = torch.randn(2, 3, module.in_features, dtype=torch.bfloat16, requires_grad=True)
@@ -114,9 +134,13 @@ def test_bad_patterns_are_user_errors(base_model, pattern, message):
         model.model.multi_modal_projector.linear_1.bias = torch.nn.Parameter(torch.zeros(1))
         message = "with a bias"
     with pytest.raises(UserError, match=message):
-        apply_contiguous_linear_grad(model, [pattern], device="npu", param_dtype="bf16")
+        apply_contiguous_linear_grad(
+            select_modules(model, [pattern], what=WHAT), device="npu", param_dtype="bf16"
+        )
 
 
 def test_unknown_param_dtype_is_a_user_error(base_model):
     with pytest.raises(UserError, match="param_dtype"):
-        apply_contiguous_linear_grad(copy.deepcopy(base_model), [DOWN], device="npu", param_dtype="bf17")
+        apply_contiguous_linear_grad(
+            select_modules(copy.deepcopy(base_model), [DOWN], what=WHAT), device="npu", param_dtype="bf17"
+        )

@@ -14,7 +14,7 @@ from magistral_cli.ops.vision_attention import (
     image_sequence_lengths,
     vision_attention_forward,
 )
-from magistral_cli.probes.synthetic import IMAGE_TOKEN_ID, probe_mistral3_config
+from magistral_cli.testing.tiny_model import IMAGE_TOKEN_ID, tiny_mistral3_config
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,8 @@ def model():
     from transformers import Mistral3ForConditionalGeneration
 
     torch.manual_seed(0)
-    return Mistral3ForConditionalGeneration(probe_mistral3_config()).eval()
+    # Patch size 2: a 16x16 image is 8x8 patches, 4x4 = 16 image tokens after the 2x2 merge.
+    return Mistral3ForConditionalGeneration(tiny_mistral3_config(vocab_size=512, patch_size=2)).eval()
 
 
 def test_image_sequence_lengths():
@@ -45,7 +46,7 @@ def test_tower_matches_transformers_block_mask_in_fp32(model):
     sizes = torch.tensor([[16, 16], [16, 24]])
     expected = reference(pixels, image_sizes=sizes).last_hidden_state
     actual = tower(pixels, image_sizes=sizes).last_hidden_state
-    assert actual.shape == (1, 64 + 96, 128)
+    assert actual.shape == (1, 64 + 96, 32)  # the tiny tower is 32 wide
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -56,7 +57,7 @@ def test_whole_model_output_unchanged_and_decoder_keeps_its_attention(model):
     tower = patched.model.vision_tower
     assert len(tower._forward_pre_hooks) == 1
     assert patched.model.language_model.config._attn_implementation != ATTENTION_NAME
-    input_ids = torch.randint(3, 250, (1, 64))
+    input_ids = torch.randint(16, 500, (1, 64))  # no control token, no image token
     input_ids[:, 1:33] = IMAGE_TOKEN_ID
     pixels = torch.randn(2, 3, 16, 16)
     sizes = torch.tensor([[16, 16], [16, 16]])

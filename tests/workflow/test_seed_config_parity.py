@@ -91,7 +91,7 @@ def test_the_seed_v1_config_gives_the_seeds_run(tmp_path):
 
     # The same recipe in this process: the encoded samples and each rank's first micro-batch.
     recipe = load_recipe(SEED_V1, overrides)
-    dataset = prepare_dataset(recipe, show_progress=False)
+    dataset = prepare_dataset(recipe)
     tokenizer = load_tokenizer(tmp_path / "model")
     prompt_ids = tokenizer.encode(MAGISTRAL_THINKING_PROMPT)
     batches = [next(iter(build_train_dataloader(recipe, dataset, dp_rank=r, dp_size=2))) for r in range(2)]

@@ -93,8 +93,8 @@ def validate_cp_batch(attention_mask: torch.Tensor | None) -> None:
         )
     if problem == "values":
         raise ContextParallelError(
-            "context parallelism does not support neat_packing (the attention mask holds sample ids); "
-            "set data.dataset_param.basic_parameters.neat_packing: false"
+            "context parallelism got an attention mask with values other than 0 and 1 (packed-sample ids); "
+            "it supports right-padding 0/1 masks (or none) only"
         )
     if problem == "left_padding":
         raise ContextParallelError(
@@ -108,14 +108,6 @@ def check_cp_recipe(recipe) -> None:
 
     if recipe.parallel.cp_size == 1:
         return
-    basic = recipe.data.dataset_param.basic_parameters
-    if basic.neat_packing:
-        raise UserError(
-            "neat_packing cannot be used with context parallelism (ulysses_parallel_size x "
-            f"ring_attention_size = {recipe.parallel.cp_size}): the CP attention is causal over the whole "
-            "sequence; set data.dataset_param.basic_parameters.neat_packing: false (plain packing is then "
-            "causal across samples) or set both CP sizes to 1"
-        )
     collate = recipe.data.dataloader_param.collate_param
     if not collate.ignore_pad_token_for_loss:
         raise UserError(
