@@ -34,7 +34,14 @@ from pathlib import Path
 
 from magistral_cli.errors import CheckFailed, MagistralError, UserError
 
-from .hf import WEIGHT_INDEX, read_hf_weights, read_weight_index, require_model_dir, support_files
+from .hf import (
+    SINGLE_WEIGHTS,
+    WEIGHT_INDEX,
+    read_hf_weights,
+    read_weight_index,
+    require_model_dir,
+    support_files,
+)
 from .keys import DCP_MODEL_PREFIX, to_transformers_key, transformers_to_official_key
 from .safetensors_io import SafetensorsStreamWriter, TensorSpec, safetensors_dtype
 from .staging import refuse_existing, staged_directory
@@ -96,7 +103,7 @@ def plan_output_files(model_dir: Path) -> tuple[dict[str, list[str]], dict]:
     ``model-0000i-of-0000N.safetensors`` files of at most ``DEFAULT_MAX_SHARD_BYTES``, in
     state-dict order (tied aliases left out, as ``save_pretrained`` does).
     """
-    if read_weight_index(model_dir) is not None or (model_dir / "model.safetensors").is_file():
+    if read_weight_index(model_dir) is not None or (model_dir / SINGLE_WEIGHTS).is_file():
         weights = read_hf_weights(model_dir)
         files = {
             name: [to_transformers_key_or_raw(s.name) for s in specs] for name, specs in weights.files.items()
@@ -123,7 +130,7 @@ def _split_by_size(keys: list[str], nbytes: dict[str, int], limit: int) -> dict[
         size += nbytes[key]
     n = len(groups)
     if n == 1:
-        return {"model.safetensors": groups[0]}
+        return {SINGLE_WEIGHTS: groups[0]}
     return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups)}
 
 
@@ -389,6 +396,79 @@ def _unwrap(exc, checkpoint_dir: Path) -> BaseException:
     return CheckFailed(f"reading the DCP checkpoint {checkpoint_dir} failed: {first!r}")
 
 
+def _check_model_tensors(checkpoint_dir: Path, model_dir: Path, allow_dtype_mismatch: bool):
+    """(metadata, shapes, expected model keys, DCP layout) of a checkpoint whose model tensors fit
+    ``model_dir``'s config.json: every key present, shapes and dtypes right (``CheckFailed`` if not)."""
+    metadata = read_dcp_metadata(checkpoint_dir)
+    shapes = dcp_shapes(metadata)
+    expected = model_keys(model_dir)
+
+    dcp_layout = detect_dcp_layout(expected, shapes)
+    if dcp_layout is None:
+        # Report against the layout that matches best, so the message names the nearest problem.
+        reports = [
+            compare_keys(f"DCP checkpoint {checkpoint_dir} (layout {name})", expected, shapes, prefix)
+            for name, prefix in DCP_MODEL_PREFIX.items()
+        ]
+        best = min(reports, key=lambda r: len(r.missing))
+        raise CheckFailed(
+            best.message("Pass a checkpoint of the model that --model-dir's config.json describes.")
+        )
+    prefix = DCP_MODEL_PREFIX[dcp_layout]
+    report = compare_keys(
+        f"DCP checkpoint {checkpoint_dir} (layout {dcp_layout})",
+        expected,
+        shapes,
+        prefix,
+        dtypes=dcp_dtypes(metadata),
+        dtype=required_dtype(expected, dcp_layout, allow_dtype_mismatch),
+    )
+    if report.wrong_shapes or report.wrong_dtypes:
+        raise CheckFailed(
+            report.message("Pass a checkpoint of the model that --model-dir's config.json describes.")
+        )
+    return metadata, shapes, expected, dcp_layout
+
+
+def read_dcp_model_state(
+    dcp_dir: str | Path,
+    model_dir: str | Path,
+    into: dict | None = None,
+    allow_dtype_mismatch: bool = False,
+) -> tuple[Path, str, dict]:
+    """The model tensors of a DCP checkpoint in memory, checked as ``export_dcp_to_hf`` checks them.
+
+    Returns (checkpoint directory, DCP layout, transformers key -> tensor), tied aliases left out.
+    ``into`` (transformers key -> tensor, e.g. a materialized model's state dict) receives the
+    values in place, cast to its tensors' dtypes (one copy of the model in memory); without it
+    each tensor is allocated on the CPU in the checkpoint's dtype.
+    """
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from .safe_dcp import SafeFileSystemReader
+
+    model_dir = require_model_dir(model_dir)
+    checkpoint_dir = resolve_dcp_checkpoint(dcp_dir)
+    metadata, _, expected, dcp_layout = _check_model_tensors(checkpoint_dir, model_dir, allow_dtype_mismatch)
+    prefix = DCP_MODEL_PREFIX[dcp_layout]
+    state = {}
+    for key in expected.required:
+        md = metadata.state_dict_metadata[prefix + key]
+        if into is not None:
+            state[prefix + key] = into[key]
+        else:
+            state[prefix + key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed.*")
+        try:
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(checkpoint_dir)), no_dist=True)
+        except CheckpointException as exc:
+            raise _unwrap(exc, checkpoint_dir) from None
+    return checkpoint_dir, dcp_layout, {k[len(prefix) :]: v for k, v in state.items()}
+
+
 def export_dcp_to_hf(
     dcp_dir: str | Path,
     model_dir: str | Path,
@@ -422,34 +502,10 @@ def export_dcp_to_hf(
     out_dir = Path(out_dir)
     refuse_existing(out_dir, "output directory")
     checkpoint_dir = resolve_dcp_checkpoint(dcp_dir)
-    metadata = read_dcp_metadata(checkpoint_dir)
-    shapes = dcp_shapes(metadata)
-    expected = model_keys(model_dir)
-
-    dcp_layout = detect_dcp_layout(expected, shapes)
-    if dcp_layout is None:
-        # Report against the layout that matches best, so the message names the nearest problem.
-        reports = [
-            compare_keys(f"DCP checkpoint {checkpoint_dir} (layout {name})", expected, shapes, prefix)
-            for name, prefix in DCP_MODEL_PREFIX.items()
-        ]
-        best = min(reports, key=lambda r: len(r.missing))
-        raise CheckFailed(
-            best.message("Pass a checkpoint of the model that --model-dir's config.json describes.")
-        )
-    prefix = DCP_MODEL_PREFIX[dcp_layout]
-    report = compare_keys(
-        f"DCP checkpoint {checkpoint_dir} (layout {dcp_layout})",
-        expected,
-        shapes,
-        prefix,
-        dtypes=dcp_dtypes(metadata),
-        dtype=required_dtype(expected, dcp_layout, allow_dtype_mismatch),
+    metadata, shapes, expected, dcp_layout = _check_model_tensors(
+        checkpoint_dir, model_dir, allow_dtype_mismatch
     )
-    if report.wrong_shapes or report.wrong_dtypes:
-        raise CheckFailed(
-            report.message("Pass a checkpoint of the model that --model-dir's config.json describes.")
-        )
+    prefix = DCP_MODEL_PREFIX[dcp_layout]
 
     def dcp_md(key: str):
         return metadata.state_dict_metadata[prefix + key]

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -32,6 +32,11 @@ class ValidateLayout(str, Enum):
 class HFLayout(str, Enum):
     official = "official"
     transformers = "transformers"
+
+
+class LoraExport(str, Enum):
+    adapters = "adapters"
+    merged = "merged"
 
 
 ModelDir = Annotated[
@@ -163,20 +168,65 @@ def dcp_to_hf(
             show_default=False,
         ),
     ],
-    model_dir: ModelDir,
     out_dir: Annotated[
         Path, typer.Option("--out-dir", help="New HF model directory (must not exist).", show_default=False)
     ],
+    model_dir: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--model-dir",
+            help="HF model directory (config.json, weights, tokenizer); with --lora, the same as --base.",
+            show_default=False,
+        ),
+    ] = None,
     layout: Annotated[
         HFLayout,
         typer.Option("--layout", help="Key names: official (the mistralai repository) or transformers."),
     ] = HFLayout.official,
     fsync: Fsync = False,
     allow_dtype_mismatch: AllowDtypeMismatch = False,
+    lora: Annotated[
+        Optional[LoraExport],
+        typer.Option(
+            "--lora",
+            help="A LoRA run's checkpoint (adapters only): 'adapters' writes PEFT's adapter_model.safetensors + "
+            "adapter_config.json (PeftModel.from_pretrained, vLLM); 'merged' writes the base's shards with "
+            "W + (alpha/r) B A folded in (fp32, rounded once), in the base's file split and key names.",
+            show_default=False,
+        ),
+    ] = None,
+    merge: Annotated[bool, typer.Option("--merge", help="The same as --lora merged.")] = False,
+    base: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--base",
+            help="With --lora: the base HF model directory the run trained on (default: --model-dir, else the "
+            "model.model_name_or_path the checkpoint records).",
+            show_default=False,
+        ),
+    ] = None,
     json_out: JsonOut = False,
 ) -> None:
     """Export the model weights of a DCP checkpoint as HF safetensors with the source's file split."""
     from magistral_cli.checkpoint.dcp_to_hf import export_dcp_to_hf
+    from magistral_cli.errors import UserError
+
+    if merge and lora is LoraExport.adapters:
+        raise UserError("--merge means --lora merged; drop one of --merge and --lora adapters")
+    mode = LoraExport.merged if merge else lora
+    if mode is not None:
+        _export_lora(dcp_dir, base or model_dir, out_dir, mode.value, fsync, json_out)
+        return
+    from magistral_cli.checkpoint.lora_export import is_lora_checkpoint
+
+    if _quietly(is_lora_checkpoint, dcp_dir):
+        raise UserError(
+            f"{dcp_dir} is a LoRA run's checkpoint: it holds the adapters, not the model's weights; export it "
+            "with --lora adapters (PEFT files) or --lora merged (full weights, needs --base)"
+        )
+    model_dir = model_dir or base
+    if model_dir is None:
+        raise UserError("--model-dir is required: the HF model directory the checkpoint belongs to")
 
     with _progress(f"dcp-to-hf ({layout.value})") as progress:
         result = export_dcp_to_hf(
@@ -193,6 +243,44 @@ def dcp_to_hf(
         f"({result.layout} keys, from a {result.dcp_layout}-layout DCP), "
         f"{result.bytes / 2**20:.1f} MiB in {result.seconds:.1f} s; copied {', '.join(result.copied)}"
     )
+    if json_out:
+        emit_json(result.to_dict())
+
+
+def _quietly(check, *args) -> bool:
+    """``check(*args)``, False where it cannot tell (the export then reports the problem itself)."""
+    from magistral_cli.errors import MagistralError
+
+    try:
+        return bool(check(*args))
+    except (MagistralError, OSError, ValueError):
+        return False
+
+
+def _export_lora(
+    dcp_dir: Path, base: Path | None, out_dir: Path, mode: str, fsync: bool, json_out: bool
+) -> None:
+    from magistral_cli.checkpoint.lora_export import default_base, export_lora
+    from magistral_cli.errors import UserError
+
+    base = base or default_base(dcp_dir)
+    if base is None:
+        raise UserError(
+            f"--lora {mode} needs the base model directory: pass --base DIR (the model the run trained on; "
+            "the checkpoint's recorded model.model_name_or_path is not a directory here)"
+        )
+    with _progress(f"dcp-to-hf (lora {mode})") as progress:
+        result = export_lora(dcp_dir, base, out_dir, mode, fsync=fsync, progress=progress)
+    if mode == "adapters":
+        what = (
+            f"{result.tensors} adapter tensors ({result.bytes / 2**20:.1f} MiB) in {', '.join(result.files)}"
+        )
+    else:
+        what = (
+            f"{len(result.files)} safetensors files, {result.merged} weights merged, {result.replaced} replaced, "
+            f"{result.copied_tensors} copied; copied {', '.join(result.copied)}"
+        )
+    console.print(f"[green]wrote[/] {result.out_dir}: {what} in {result.seconds:.1f} s (base {base})")
     if json_out:
         emit_json(result.to_dict())
 

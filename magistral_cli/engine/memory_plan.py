@@ -57,6 +57,15 @@ Transient, on the device, in three phases (the peak is the largest phase):
 - **optimizer temporaries**: ``foreach`` AdamW's ``sqrt(exp_avg_sq)`` is one fp32 copy of the
   trainable shard; the fused kernel has none.
 
+LoRA (``model.lora``): the base is frozen and stored in ``param_dtype`` (``engine.lora``), so the
+parameter shards are ``4 x trainable shard + p x frozen shard`` and the gradient shards, AdamW
+states and optimizer temporaries count the adapters (and ``modules_to_save``) only: ``r x (in +
+out)`` parameters per adapted Linear layer. The adapters' activations come on top of the layer's:
+per token and decoder layer, ``lora_B`` saves ``lora_A``'s output (``p x sum r``) and, with
+``dropout > 0``, each adapter saves its dropped-out input and mask (``(p + 1) x sum in``). The
+base layers' own saves are kept in the count (``lora_A`` saves the same inputs when all seven
+projections are adapted), so fewer targets give an upper bound.
+
 Host memory (per rank; the node holds ``nproc_per_node`` of them): the ``adamw_swap`` states.
 On the CPU the device *is* the host: the host total adds the device peak to the host items,
 plus the **CPU runtime** item (memory the allocator and kernels take at first use, measured on
@@ -119,6 +128,19 @@ class TextShape:
 
 
 @dataclass(frozen=True)
+class LoraShape:
+    """The adapters of ``model.lora``, counted from the model they were injected into."""
+
+    r: int
+    targets: int  # adapted Linear layers, all parts
+    adapter_numel: int
+    #: Per decoder layer of the language model (its adapted layers): sum of r and of in_features.
+    rank_per_layer: int
+    inputs_per_layer: int
+    dropout: bool = False
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """Everything the estimator needs from the model: plain numbers, no tensors."""
 
@@ -132,6 +154,7 @@ class ModelShape:
     units: tuple[UnitShape, ...]
     text: TextShape
     vision_trainable: bool
+    lora: LoraShape | None = None
 
 
 @dataclass(frozen=True)
@@ -153,6 +176,8 @@ class PlanSettings:
     num_to_forward_prefetch: int = 0
     num_to_backward_prefetch: int = 0
     defer_grad_sync: bool = False
+    #: Dtype the frozen parameters are stored in (LoRA: ``param_dtype``); None = fp32 like the rest.
+    frozen_param_dtype: str | None = None
     device_memory_bytes: int | None = None
     device_memory_source: str | None = None
     host_memory_bytes: int | None = None
@@ -164,6 +189,10 @@ class PlanSettings:
     @property
     def r(self) -> int:
         return DTYPE_BYTES[self.reduce_dtype] if self.reduce_dtype else self.p
+
+    @property
+    def frozen_bytes(self) -> int:
+        return DTYPE_BYTES[self.frozen_param_dtype] if self.frozen_param_dtype else 4
 
 
 @dataclass(frozen=True)
@@ -245,6 +274,14 @@ def layer_activation_bytes_per_token(text: TextShape, p: int) -> int:
     return norms + attention + mlp
 
 
+def lora_activation_bytes_per_token(lora: LoraShape | None, p: int) -> int:
+    """What the adapters of one decoder layer add per token: ``lora_A``'s outputs, and with dropout
+    each dropped-out input and its mask (see the module doc)."""
+    if lora is None:
+        return 0
+    return p * lora.rank_per_layer + ((p + 1) * lora.inputs_per_layer if lora.dropout else 0)
+
+
 def layer_backward_temp_bytes_per_token(text: TextShape, p: int) -> int:
     """Gradient temporaries of one layer's backward (the MLP's: three intermediate-sized tensors)."""
     return 3 * p * text.intermediate + 2 * p * text.hidden
@@ -281,13 +318,24 @@ def estimate(shape: ModelShape, s: PlanSettings) -> MemoryPlan:
         items.append(MemoryItem(key, name, where, int(nbytes), tuple(phases), formula))
 
     every = PHASES
-    add(
-        "parameter_shards",
-        "parameter shards (fp32)",
-        4 * shape.shard_numel,
-        every,
-        f"4 B x {shape.shard_numel:,} (frozen too)",
-    )
+    frozen_shard = shape.shard_numel - shape.trainable_shard_numel
+    fb = s.frozen_bytes
+    if fb == 4:
+        add(
+            "parameter_shards",
+            "parameter shards (fp32)",
+            4 * shape.shard_numel,
+            every,
+            f"4 B x {shape.shard_numel:,} (frozen too)",
+        )
+    else:
+        add(
+            "parameter_shards",
+            f"parameter shards (fp32 trainable, {s.frozen_param_dtype} frozen)",
+            4 * shape.trainable_shard_numel + fb * frozen_shard,
+            every,
+            f"4 B x {shape.trainable_shard_numel:,} trainable + {fb} B x {frozen_shard:,} frozen",
+        )
     add(
         "gradient_shards",
         "gradient shards (fp32)",
@@ -348,7 +396,7 @@ def estimate(shape: ModelShape, s: PlanSettings) -> MemoryPlan:
 
     tokens = s.micro_batch_size * math.ceil(s.cutoff_len / s.cp)
     predicted = max(1, tokens - s.micro_batch_size)
-    per_layer = layer_activation_bytes_per_token(text, p)
+    per_layer = layer_activation_bytes_per_token(text, p) + lora_activation_bytes_per_token(shape.lora, p)
     checkpointed = text.recomputed_layers
     saved = checkpointed * p * text.hidden + (text.layers - checkpointed) * per_layer
     final_norm = (4 + 2 * p) * text.hidden
@@ -414,6 +462,13 @@ def estimate(shape: ModelShape, s: PlanSettings) -> MemoryPlan:
             f"foreach (run_identity.json: resolved.adamw) and the optimizer step takes "
             f"{4 * shape.trainable_shard_numel / GIB:.2f} GiB more"
         )
+    if shape.lora is not None:
+        lo = shape.lora
+        notes.append(
+            f"LoRA r={lo.r} on {lo.targets} Linear layers: {lo.adapter_numel:,} adapter parameters trained "
+            f"(fp32 masters, gradients, AdamW states); the {shape.frozen:,} frozen parameters are held in "
+            f"{s.frozen_param_dtype or 'fp32'} with no master copy, gradient or optimizer state"
+        )
     if shape.vision_trainable:
         notes.append(
             "the vision tower is trainable: its activations depend on the images and are not counted"
@@ -431,9 +486,14 @@ def estimate(shape: ModelShape, s: PlanSettings) -> MemoryPlan:
             f"estimated host memory {node_host / GIB:.1f} GiB per node ({s.nproc_per_node} ranks) is above "
             f"{WARN_FRACTION:.0%} of the {s.host_memory_bytes / GIB:.1f} GiB here"
         )
+    parameters = {"total": shape.total, "trainable": shape.trainable, "frozen": shape.frozen}
+    if shape.lora is not None:
+        # A LoRA checkpoint holds the trainable tensors only (engine.lora.adapter_state_dict).
+        parameters["adapters"] = shape.lora.adapter_numel
+        parameters["checkpointed"] = shape.trainable
     return MemoryPlan(
         settings=s,
-        parameters={"total": shape.total, "trainable": shape.trainable, "frozen": shape.frozen},
+        parameters=parameters,
         items=items,
         phases=phases,
         peak_phase=peak_phase,
@@ -475,12 +535,14 @@ _LAYER = re.compile(r"^(.*\.layers)\.(\d+)$")
 
 
 def model_shape(
-    model, *, frozen: list[str], units: list[str], recomputed: list[str], world: int
+    model, *, frozen: list[str], units: list[str], recomputed: list[str], world: int, lora=None
 ) -> ModelShape:
     """The :class:`ModelShape` of ``model`` (meta is fine) sharded over ``world`` ranks.
 
     ``frozen``, ``units`` and ``recomputed`` are module names (``select_modules`` resolved the
     recipe's patterns); units are in the order ``apply_fsdp`` shards them, the root comes last.
+    A parameter is trainable unless it is under ``frozen`` or has ``requires_grad`` off (the base
+    of a LoRA model); ``lora`` is ``engine.lora.apply_lora``'s result for such a model.
     """
     frozen_prefixes = tuple(f"{n}." for n in frozen)
     owners = [(u, f"{u}.") for u in units]
@@ -494,7 +556,7 @@ def model_shape(
             continue
         seen.add(id(param))
         n = param.numel()
-        is_trainable = not name.startswith(frozen_prefixes)
+        is_trainable = param.requires_grad and not name.startswith(frozen_prefixes)
         dim0 = param.shape[0] if param.dim() else 1
         local, padded = _shard_rows(n, dim0, world)
         total += n
@@ -536,6 +598,27 @@ def model_shape(
             recomputed_layers=recomputed_layers,
         ),
         vision_trainable=vision_trainable,
+        lora=_lora_shape(model, lora, text.num_hidden_layers) if lora is not None else None,
+    )
+
+
+def _lora_shape(model, applied, layers: int) -> LoraShape:
+    """The :class:`LoraShape` of a model with ``applied`` adapters (``engine.lora.LoraApplied``)."""
+    modules = dict(model.named_modules())
+    rank = inputs = numel = 0
+    for name in applied.targets.modules:
+        layer = modules[name]
+        r, fan_in = layer.r["default"], layer.in_features
+        numel += r * (fan_in + layer.out_features)
+        if name.startswith("model.language_model.layers."):
+            rank, inputs = rank + r, inputs + fan_in
+    return LoraShape(
+        r=applied.spec.r,
+        targets=len(applied.targets.modules),
+        adapter_numel=numel,
+        rank_per_layer=rank // max(layers, 1),
+        inputs_per_layer=inputs // max(layers, 1),
+        dropout=applied.spec.dropout > 0,
     )
 
 
@@ -584,6 +667,8 @@ def settings_from_recipe(
         num_to_forward_prefetch=plan.num_to_forward_prefetch,
         num_to_backward_prefetch=plan.num_to_backward_prefetch,
         defer_grad_sync=plan.defer_grad_sync,
+        # LoRA keeps the frozen base in the compute dtype (engine.lora.apply_lora_from_recipe).
+        frozen_param_dtype=(plan.param_dtype or "fp32") if recipe.model.lora is not None else None,
         device_memory_bytes=memory,
         device_memory_source=source,
         host_memory_bytes=host_memory_bytes() if detected else None,
@@ -609,6 +694,11 @@ def plan_recipe(recipe, *, device: str, world_size: int, nproc_per_node: int, de
     )
     with torch.device("meta"):
         model = build_model(config, meta=True, attn_implementation="sdpa")
+    lora = None
+    if recipe.model.lora is not None:
+        from .lora import apply_lora
+
+        lora = apply_lora(model, recipe.model.lora, freeze=recipe.model.freeze)
 
     def names(patterns: list[str], what: str) -> list[str]:
         return [n for n, _ in select_modules(model, patterns, what=what)] if patterns else []
@@ -619,7 +709,7 @@ def plan_recipe(recipe, *, device: str, world_size: int, nproc_per_node: int, de
     recomputed = (
         names(feat.recompute_plan.apply_modules, "features.recompute_plan pattern") if feat.recompute else []
     )
-    shape = model_shape(model, frozen=frozen, units=units, recomputed=recomputed, world=world_size)
+    shape = model_shape(model, frozen=frozen, units=units, recomputed=recomputed, world=world_size, lora=lora)
     settings = settings_from_recipe(
         recipe, device=device, world_size=world_size, nproc_per_node=nproc_per_node, detected=detected
     )

@@ -276,9 +276,13 @@ def parallelize_model(
     mesh: DeviceMesh,
     cp_groups=None,
     loss_fn=None,
+    lora=None,
 ) -> ParallelizedModel:
     """Make a freshly built model trainable in place, in this order (each step needs the last):
 
+    0. (Before this function, after the loss head) **LoRA** (``model.lora``, ``lora``: what
+       ``engine.lora.apply_lora`` did): PEFT's layers replace the target Linear layers and the
+       base is frozen, so every later step sees the final modules and ``requires_grad``.
     1. **Freeze** (``model.freeze``): ``fully_shard`` records ``requires_grad`` when it builds its
        parameter groups, so this comes before FSDP.
     2. **Module kernels**: the contiguous-Linear weight gradient
@@ -296,16 +300,25 @@ def parallelize_model(
        computes it from the hidden states); it wraps the sharded model's forward.
     7. **Materialize** (``training.init_model_with_meta_device``): allocate the sharded storage on
        ``device``; the weights are loaded afterwards.
+    8. **LoRA init** (with ``lora``): PEFT's ``init_lora_weights`` re-run on the sharded adapters,
+       each full tensor drawn from ``training.seed`` (a meta build leaves them uninitialised; the
+       values do not depend on the sharding or on the meta build). The base loader skips them.
     """
     plan, features = recipe.parallel.fsdp_plan, recipe.features
     done = ParallelizedModel()
     done.frozen = apply_freeze(model, recipe.model.freeze)
     if features.contiguous_linear_grad_modules:
-        from magistral_cli.ops.contiguous_linear import apply_contiguous_linear_grad
+        from magistral_cli.ops.contiguous_linear import WHAT, apply_contiguous_linear_grad
 
+        patterns = list(features.contiguous_linear_grad_modules)
+        if lora is not None:
+            from .lora import contiguous_linear_patterns
+
+            # A LoRA target's kernel goes on PEFT's wrapped nn.Linear (``<name>.base_layer``).
+            patterns = contiguous_linear_patterns(patterns, lora.targets, model)
         param_dtype = DTYPES[plan.param_dtype] if plan.param_dtype else torch.float32
         done.contiguous_linear = apply_contiguous_linear_grad(
-            model, features.contiguous_linear_grad_modules, device=device_type, param_dtype=param_dtype
+            select_modules(model, patterns, what=WHAT), device=device_type, param_dtype=param_dtype
         )
         log.info("contiguous Linear weight gradients on %d modules", len(done.contiguous_linear))
     from magistral_cli.ops.vision_attention import apply_vision_attention
@@ -333,4 +346,8 @@ def parallelize_model(
         log.info("context parallel: %s", done.context_parallel)
     if recipe.training.init_model_with_meta_device:
         materialize(model, device)
+    if lora is not None:
+        from .lora import init_adapter_weights
+
+        init_adapter_weights(model, lora.spec.init_lora_weights, recipe.training.seed)
     return done

@@ -23,13 +23,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from magistral_cli.checkpoint.hf import SINGLE_WEIGHTS, WEIGHT_INDEX
 from magistral_cli.checkpoint.keys import DCP_MODEL_PREFIX, to_transformers_key
+from magistral_cli.checkpoint.layout import DCP_METADATA, MEGATRON_RELEASE_DIR, is_dcp_dir
 from magistral_cli.errors import UserError
 
 log = logging.getLogger(__name__)
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 
 
 @dataclass
@@ -41,19 +40,15 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)
 
 
-def is_dcp_dir(path: Path) -> bool:
-    return (path / ".metadata").is_file()
-
-
 def detect_format(path: Path) -> str:
     """``hf`` or ``dcp`` for an existing directory (a megatron DCP keeps its files in ``release/``)."""
-    if (path / INDEX_FILE).is_file() or (path / SINGLE_FILE).is_file():
+    if (path / WEIGHT_INDEX).is_file() or (path / SINGLE_WEIGHTS).is_file():
         return "hf"
-    if is_dcp_dir(path) or is_dcp_dir(path / "release"):
+    if is_dcp_dir(path) or is_dcp_dir(path / MEGATRON_RELEASE_DIR):
         return "dcp"
     raise UserError(
-        f"training.load {path} holds neither safetensors weights ({INDEX_FILE} or {SINGLE_FILE}) nor a DCP "
-        "checkpoint (.metadata); point it at a model directory, a `magistral convert` output or a run checkpoint"
+        f"training.load {path} holds neither safetensors weights ({WEIGHT_INDEX} or {SINGLE_WEIGHTS}) nor a DCP "
+        f"checkpoint ({DCP_METADATA}); point it at a model directory, a `magistral convert` output or a run checkpoint"
     )
 
 
@@ -78,14 +73,18 @@ def _check_keys(
 
 
 def load_targets(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict without tied aliases (a tied head is the embedding: loaded once).
+    """The model's state dict under the checkpoint's names, without tied aliases (a tied head is
+    the embedding: loaded once).
 
     A tied model's source (as tied models ship) has no ``lm_head.weight``; an untied one's must.
+    A LoRA model's wrapped layers are keyed by their base names (``q_proj.base_layer.weight`` is
+    ``q_proj.weight``) and its adapters are left out: the base checkpoint has none.
     """
+    from magistral_cli.checkpoint.lora_format import base_state_dict
     from magistral_cli.model_config import tied_aliases
 
     aliases = tied_aliases(model)
-    return {k: v for k, v in model.state_dict().items() if k not in aliases}
+    return {k: v for k, v in base_state_dict(model.state_dict()).items() if k not in aliases}
 
 
 def _local_slices(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
@@ -120,13 +119,13 @@ def _require_floating(path: Path, key: str, dtype, where: str) -> None:
 
 def _hf_weight_map(path: Path) -> dict[str, str]:
     """source key -> file name."""
-    index = path / INDEX_FILE
+    index = path / WEIGHT_INDEX
     if index.is_file():
         return dict(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
     from safetensors import safe_open
 
-    with safe_open(str(path / SINGLE_FILE), framework="pt") as f:
-        return dict.fromkeys(f.keys(), SINGLE_FILE)
+    with safe_open(str(path / SINGLE_WEIGHTS), framework="pt") as f:
+        return dict.fromkeys(f.keys(), SINGLE_WEIGHTS)
 
 
 def load_hf(model: nn.Module, path: Path, strict: bool) -> LoadReport:
@@ -192,8 +191,8 @@ def load_dcp(model: nn.Module, path: Path, strict: bool) -> LoadReport:
 
     from magistral_cli.checkpoint.safe_dcp import SafeFileSystemReader
 
-    if not is_dcp_dir(path) and is_dcp_dir(path / "release"):
-        path = path / "release"
+    if not is_dcp_dir(path) and is_dcp_dir(path / MEGATRON_RELEASE_DIR):
+        path = path / MEGATRON_RELEASE_DIR
     report = LoadReport(source=str(path), fmt="dcp")
     metadata = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
     prefix = dcp_model_prefix(set(metadata))
@@ -207,7 +206,7 @@ def load_dcp(model: nn.Module, path: Path, strict: bool) -> LoadReport:
         meta = metadata.get(prefix + key)
         if meta is not None:
             dtype = meta.properties.dtype if isinstance(meta, TensorStorageMetadata) else "a non-tensor entry"
-            _require_floating(path, key, dtype, ".metadata")
+            _require_floating(path, key, dtype, DCP_METADATA)
         if isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(tensor.shape):
             problems.append(
                 f"{key}: shape {tuple(meta.size)} in the checkpoint, {tuple(tensor.shape)} in the model"

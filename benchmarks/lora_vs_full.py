@@ -1,0 +1,167 @@
+"""LoRA vs full fine-tuning through the trainer on 2 CPU processes: per-rank memory and step time.
+
+Side by side in one run, for the tiny model and a mid-size one (both Magistral's structure): each
+case starts 2 gloo ranks (``runtime.spawn_ranks``), builds the engine's ``Trainer`` from a recipe
+(fp32, the tiny recipe's FSDP2 units, synthetic batches) and trains ``--steps`` steps. Per rank:
+
+- **held tensors**: the bytes of this rank's parameter shards, gradient shards and AdamW states
+  after the last step (what the memory plan's first three items estimate);
+- **peak RSS above the start**: the process's peak resident memory (``ru_maxrss``) minus its
+  resident memory just before the trainer was built (imports and the process group excluded);
+- **step time**: the median of the steps after the first two.
+
+    python benchmarks/lora_vs_full.py [--steps 8] [--seq 256] [--r 8]
+
+The ratios (LoRA / full) are what the README quotes; nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MODELS = {
+    # name: tiny_mistral3_config keyword arguments
+    "tiny": {"vocab_size": 8192, "hidden_size": 64, "num_hidden_layers": 2},
+    "mid": {"vocab_size": 32768, "hidden_size": 512, "num_hidden_layers": 8},
+}
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _rank(rank: int, model_dir: str, run_dir: str, mode: str, steps: int, seq: int, r: int) -> dict:
+    import torch
+
+    from magistral_cli.config.loader import validate_recipe
+    from magistral_cli.engine.trainer import Trainer
+
+    model_cfg: dict = {
+        "model_name_or_path": model_dir,
+        "freeze": ["model.vision_tower", "model.multi_modal_projector"],
+    }
+    if mode == "lora":
+        model_cfg["lora"] = {"r": r, "alpha": 2 * r, "target_modules": TARGETS}
+    recipe = validate_recipe(
+        {
+            "parallel": {"device": "cpu", "fsdp_plan": {"param_dtype": "fp32", "reduce_dtype": "fp32"}},
+            "data": {"dataset_param": {"dataset_type": "synthetic", "basic_parameters": {"cutoff_len": seq}}},
+            "model": model_cfg,
+            "training": {
+                "micro_batch_size": 1,
+                "train_iters": steps,
+                "lr": 1.0e-4,
+                "lr_decay_style": "constant",
+                "load": model_dir,
+                "output_dir": run_dir,
+                "save_interval": 0,
+                "init_model_with_meta_device": True,
+                "seed": 0,
+            },
+        }
+    )
+    start_rss = _rss_kib()
+    trainer = Trainer(recipe)
+    try:
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            trainer.train(max_steps=1)
+            times.append(time.perf_counter() - t0)
+        params = list(trainer.model.parameters())
+        grads_bytes = _local_bytes([p.grad for p in params if p.grad is not None])
+        states = [v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        return {
+            "params_mib": _local_bytes(params) / 2**20,
+            "grads_mib": grads_bytes / 2**20,
+            "optimizer_mib": _local_bytes(s for s in states if s.dim() > 0) / 2**20,
+            "peak_rss_above_start_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start_rss)
+            / 1024,
+            "step_s": statistics.median(times[2:]) if len(times) > 2 else times[-1],
+            "trainable": sum(p.numel() for p in params if p.requires_grad),
+        }
+    finally:
+        trainer.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--r", type=int, default=8)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    from magistral_cli.runtime import spawn_ranks
+    from magistral_cli.testing.tiny_model import (
+        build_tiny_model,
+        save_official_checkpoint,
+        tiny_mistral3_config,
+    )
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="magistral-lora-bench-") as tmp:
+        for name in args.models:
+            model_dir = Path(tmp) / name
+            model = build_tiny_model(tiny_mistral3_config(**MODELS[name]), seed=0)
+            total = sum(p.numel() for p in model.parameters())
+            save_official_checkpoint(model, model_dir, num_shards=2, dtype="float32")
+            del model
+            for mode in ("full", "lora"):
+                ranks = spawn_ranks(
+                    _rank,
+                    2,
+                    (str(model_dir), str(Path(tmp) / f"{name}-{mode}"), mode, args.steps, args.seq, args.r),
+                    timeout_s=1800,
+                )
+                rows.append({"model": name, "parameters": total, "mode": mode, "ranks": ranks})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"2 CPU ranks, fp32, sequence {args.seq}, LoRA r={args.r} on {len(TARGETS)} projections per layer")
+    header = "model  mode  trainable     params+grads+AdamW MiB/rank  peak RSS above start MiB/rank  step s"
+    print(header)
+    by = {}
+    for row in rows:
+        ranks = row["ranks"]
+        held = max(x["params_mib"] + x["grads_mib"] + x["optimizer_mib"] for x in ranks)
+        rss = max(x["peak_rss_above_start_mib"] for x in ranks)
+        step = max(x["step_s"] for x in ranks)
+        by[(row["model"], row["mode"])] = (held, rss, step)
+        print(
+            f"{row['model']:<5}  {row['mode']:<4}  {ranks[0]['trainable']:>11,}  {held:>27.1f}  {rss:>29.1f}  {step:>6.3f}"
+        )
+    for name in args.models:
+        (fh, fr, fs), (lh, lr, ls) = by[(name, "full")], by[(name, "lora")]
+        print(
+            f"{name}: LoRA / full = {lh / fh:.2f}x held tensors, {lr / fr:.2f}x peak RSS above start, "
+            f"{ls / fs:.2f}x step time"
+        )
+
+
+if __name__ == "__main__":
+    main()
