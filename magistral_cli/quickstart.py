@@ -12,7 +12,10 @@ Steps, each with the real component (no network, no accelerator):
              first run's step for step (fp32 on the CPU)
 6. optimized the same steps with the optimization recipe (chunked loss, recompute, prefetch, GC freeze)
 7. export    the final checkpoint -> HF safetensors, loaded back with transformers
-8. probe / compare  ``magistral probe all`` and ``magistral compare`` of the plain and optimized runs
+8. lora      ``recipes/tiny/tiny_cpu_lora.yaml``: PEFT LoRA adapters on the frozen base, a resumed
+             second launch with the same losses, the adapters exported as PEFT files and as merged
+             HF weights, both loaded back (peft, transformers) with the same logits
+9. probe / compare  ``magistral probe all`` and ``magistral compare`` of the plain and optimized runs
 
 Shared inputs (model, data, cache) live in ``WORKDIR``; each quickstart's outputs go to
 ``WORKDIR/<timestamp>/`` so a second quickstart never overwrites the first.
@@ -29,12 +32,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from magistral_cli.checkpoint.layout import LATEST, step_dir_name
 from magistral_cli.errors import CheckFailed, UserError
 
 REPO_RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "tiny"
 PLAIN_RECIPE = "tiny_cpu.yaml"
 OPTIMIZED_RECIPE = "tiny_cpu_optimized.yaml"
+LORA_RECIPE = "tiny_cpu_lora.yaml"
 
+#: Validation samples split from the dataset (``val_size``).
+QUICKSTART_VAL_SIZE = 8
 #: Small images keep the quickstart fast: 2x2 to 5x4 image tokens each.
 QUICKSTART_IMAGE_SIZES = [(56, 56), (84, 112), (112, 84), (140, 112), (56, 140)]
 
@@ -80,22 +87,25 @@ def _launch(recipe: Path, overrides: list[str], nproc: int, console) -> Path:
     return plan.run_dir
 
 
-def _losses(run_dir: Path) -> dict[int, float]:
+def _losses(run_dir: Path, split: str = "train") -> dict[int, float]:
+    """step -> loss of ``split``'s records in metrics.jsonl (training records carry no split)."""
     out = {}
     for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
         if line.strip():
             record = json.loads(line)
-            out[int(record["step"])] = float(record["loss"])
+            if record.get("split", "train") == split:
+                out[int(record["step"])] = float(record["loss"])
     return out
 
 
 def write_assets(workdir: Path, samples: int) -> dict[str, Path]:
     """The tiny model (official layout), its tokenizer files and the synthetic dataset."""
+    from magistral_cli.checkpoint.hf import WEIGHT_INDEX
     from magistral_cli.testing.tiny_data import write_synthetic_llava_dataset, write_tiny_tokenizer_files
     from magistral_cli.testing.tiny_model import build_tiny_model, save_official_checkpoint
 
     model_dir, data_dir = workdir / "model", workdir / "data"
-    if not (model_dir / "model.safetensors.index.json").is_file():
+    if not (model_dir / WEIGHT_INDEX).is_file():
         staging = workdir / "model.partial"
         if staging.exists():
             import shutil
@@ -160,10 +170,13 @@ def run_quickstart(
         f"data.dataset_param.basic_parameters.cache_dir={assets['cache']}",
         f"training.train_iters={options.steps}",
         f"training.save_interval={half}",
+        # A validation split of 8 samples, evaluated half-way and at the end.
+        f"data.dataset_param.basic_parameters.val_size={QUICKSTART_VAL_SIZE}",
+        f"training.eval_interval={half}",
     ]
     plain = recipe_path(PLAIN_RECIPE)
     t0 = time.monotonic()
-    result = run_preprocess(load_recipe(plain, base), show_progress=False, console=console)
+    result = run_preprocess(load_recipe(plain, base))
     record(
         "preprocess",
         t0,
@@ -195,7 +208,7 @@ def run_quickstart(
 
     # 5. resume from the half-way checkpoint in a second launch: the same losses, step for step
     t0 = time.monotonic()
-    checkpoint = run_a / "checkpoints" / f"step_{half}"
+    checkpoint = run_a / "checkpoints" / step_dir_name(half)
     run_b = _launch(
         plain,
         [*base, f"training.load={checkpoint}", f"training.output_dir={out / 'resumed'}"],
@@ -236,12 +249,17 @@ def run_quickstart(
     from magistral_cli.checkpoint.dcp_to_hf import export_dcp_to_hf
 
     export_dcp_to_hf(
-        run_a / "checkpoints" / f"step_{options.steps}", assets["model"], export, layout="official"
+        run_a / "checkpoints" / step_dir_name(options.steps), assets["model"], export, layout="official"
     )
     changed = _check_export(assets["model"], export)
     record("export", t0, f"HF checkpoint {export} loads with transformers; {changed}")
 
-    # 8. probes and the comparison of the plain and optimized runs
+    # 8. LoRA: train, resume in a second launch, export both ways, load both back
+    t0 = time.monotonic()
+    lora_summary = _lora_steps(out, assets["model"], base, options, console)
+    record("lora", t0, lora_summary.pop("detail"), **lora_summary)
+
+    # 9. probes and the comparison of the plain and optimized runs
     from magistral_cli.analysis.logs import read_run
     from magistral_cli.analysis.metrics import compare_runs
 
@@ -249,13 +267,24 @@ def run_quickstart(
     comparison = compare_runs(read_run(run_a), read_run(run_c))
     report = comparison.report
     verdict = "PASS" if comparison.passed else "FAIL"
+    val = report.get("validation") or {}
+    val_text = (
+        f"; validation losses at steps {val.get('steps')}: difference "
+        f"{val['loss']['normalized_mean_abs_diff']:.2e}"
+        if val.get("loss")
+        else ""
+    )
+    plot = _plot(comparison, out / "compare.png")
     record(
         "compare",
         t0,
         f"plain vs optimized: normalized loss difference {report['loss']['normalized_mean_abs_diff']:.2e} "
-        f"(threshold {report['loss']['threshold']}): {verdict}",
+        f"(threshold {report['loss']['threshold']}){val_text}: {verdict}"
+        + (f"; curves in {plot}" if plot else ""),
         verdict=verdict,
         normalized_mean_abs_diff=report["loss"]["normalized_mean_abs_diff"],
+        validation_steps=val.get("steps"),
+        plot=str(plot) if plot else None,
     )
     probe_results: list[dict] = []
     if options.probes:
@@ -277,13 +306,119 @@ def run_quickstart(
     summary["wall_s"] = round(time.monotonic() - started, 1)
     failed = [r for r in probe_results if r["result"] == "FAIL"]
     summary["pass"] = comparison.passed and not failed
-    summary["runs"] = {"train": str(run_a), "resumed": str(run_b), "optimized": str(run_c)}
+    summary["runs"] = {
+        "train": str(run_a),
+        "resumed": str(run_b),
+        "optimized": str(run_c),
+        "lora": lora_summary["run"],
+    }
     summary["export"] = str(export)
     if not comparison.passed:
         raise CheckFailed(f"magistral compare of the plain and optimized runs failed: {report['failures']}")
     if failed:
         raise CheckFailed("probes failed: " + "; ".join(f"{r['probe']} ({r['reason']})" for r in failed))
     return summary
+
+
+def _plot(comparison, path: Path) -> Path | None:
+    """``magistral compare --plot``'s figure of the plain and optimized runs (None without matplotlib)."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        return None
+    from magistral_cli.analysis.plot import plot_comparison
+
+    return plot_comparison(
+        comparison, path, labels=("plain (tiny_cpu.yaml)", "optimized (tiny_cpu_optimized.yaml)")
+    )
+
+
+def _lora_steps(out: Path, model_dir: Path, base: list[str], options: QuickstartOptions, console) -> dict:
+    """The LoRA recipe: train, resume from the half-way checkpoint in a new run, export, load back."""
+    import shutil
+
+    from magistral_cli.checkpoint.lora_export import export_lora
+
+    recipe = recipe_path(LORA_RECIPE)
+    half = options.steps // 2
+    overrides = [*base, f"training.load={model_dir}"]
+    run = _launch(recipe, [*overrides, f"training.output_dir={out / 'lora'}"], options.nproc, console)
+    losses = _losses(run)
+    if sorted(losses) != list(range(1, options.steps + 1)) or not all(map(math.isfinite, losses.values())):
+        raise CheckFailed(f"the LoRA run logged steps {sorted(losses)} with losses {losses}")
+    # A LoRA checkpoint holds the adapters only: a second run resumes it from its own checkpoint
+    # directory, on the base weights of training.load.
+    resumed_dir = out / "lora_resumed"
+    shutil.copytree(
+        run / "checkpoints" / step_dir_name(half), resumed_dir / "checkpoints" / step_dir_name(half)
+    )
+    (resumed_dir / "checkpoints" / LATEST).write_text(step_dir_name(half) + "\n", encoding="utf-8")
+    resumed = _launch(recipe, [*overrides, f"training.output_dir={resumed_dir}"], options.nproc, console)
+    losses_b = _losses(resumed)
+    expected = {s: losses[s] for s in range(half + 1, options.steps + 1)}
+    if losses_b != expected:
+        raise CheckFailed(f"the resumed LoRA run's losses {losses_b} differ from the first run's {expected}")
+    final = run / "checkpoints" / step_dir_name(options.steps)
+    adapters = export_lora(final, model_dir, out / "lora_adapters", "adapters")
+    merged = export_lora(final, model_dir, out / "lora_merged", "merged")
+    diff = _check_lora_exports(model_dir, adapters.out_dir, merged.out_dir)
+    return {
+        "detail": (
+            f"{options.steps} steps, loss {losses[1]:.4f} -> {losses[options.steps]:.4f}; resumed steps "
+            f"{half + 1}-{options.steps} equal; adapters ({adapters.tensors} tensors) load with peft; merged "
+            f"weights load with transformers and equal peft's merge_and_unload in the base's dtype "
+            f"(logits within {diff:.1e} of the adapters')"
+        ),
+        "run": str(run),
+        "resumed": str(resumed),
+        "adapters": str(adapters.out_dir),
+        "merged": str(merged.out_dir),
+        "max_logit_diff": diff,
+    }
+
+
+def _check_lora_exports(model_dir: Path, adapters: Path, merged: Path) -> float:
+    """The adapters load on the base with peft and change its logits; the merged export loads with
+    transformers and holds, tensor for tensor, peft's ``merge_and_unload()`` rounded to the base's
+    dtype. Returns the largest logit difference between the merged export and the adapters on the
+    base (the rounding of the merged weights to the base's dtype)."""
+    import warnings
+
+    import torch
+    from peft import PeftModel
+    from transformers import Mistral3ForConditionalGeneration
+    from transformers.utils import logging as hf_logging
+
+    from magistral_cli.model_config import read_model_config
+
+    hf_logging.disable_progress_bar()
+    ids = torch.tensor([[1, 3, 1010, 1042, 4, 1050, 1077, 1100, 2]])
+
+    def load(path: Path, dtype=torch.float32):
+        return Mistral3ForConditionalGeneration.from_pretrained(
+            str(path), config=read_model_config(path), dtype=dtype
+        ).eval()
+
+    base_dtype = load(model_dir, dtype="auto").dtype
+    with torch.no_grad():
+        base_logits = load(model_dir)(input_ids=ids).logits
+        with warnings.catch_warnings():  # peft asks transformers a deprecated question
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+            peft_model = PeftModel.from_pretrained(load(model_dir), str(adapters)).eval()
+        peft_logits = peft_model(input_ids=ids).logits
+        reference = peft_model.merge_and_unload().state_dict()
+        exported = load(merged)
+        merged_logits = exported(input_ids=ids).logits
+    if torch.equal(peft_logits, base_logits):
+        raise CheckFailed("the exported adapters do not change the base model's logits: nothing was trained")
+    for key, value in exported.state_dict().items():
+        if not torch.equal(value, reference[key].to(base_dtype).to(value.dtype)):
+            raise CheckFailed(
+                f"the merged export's {key} differs from peft's merge_and_unload() rounded to {base_dtype}"
+            )
+    if not torch.isfinite(merged_logits).all():
+        raise CheckFailed("the merged export gives non-finite logits")
+    return float((peft_logits - merged_logits).abs().max())
 
 
 def _check_export(model_dir: Path, export: Path) -> str:

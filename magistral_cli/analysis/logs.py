@@ -31,6 +31,12 @@ In both text formats the ``key: value`` fields may come in any order, any text (
 
 A step logged twice (a run resumed from a checkpoint that appends to the same log) keeps its last
 value; the reader lists such steps in ``RunLog.duplicate_steps``.
+
+Validation records of ``metrics.jsonl`` (``{"step": N, "split": "val", "loss": L, "samples": S,
+"targets": T}``, written by ``magistral train`` with ``data.dataset_param.basic_parameters.val_size``)
+are not training steps: they go to ``RunLog.val_steps`` (last value wins there too), and the
+training curve holds only the lines without a ``split`` (or with ``"split": "train"``). Lines of
+any other split are ignored. The text formats carry no validation losses.
 """
 
 from __future__ import annotations
@@ -66,11 +72,21 @@ class StepRecord:
 
 
 @dataclass
+class ValRecord:
+    """One validation of a run (a ``"split": "val"`` line); ``None`` where not logged or not finite."""
+
+    loss: float | None = None
+    samples: int | None = None
+    targets: int | None = None
+
+
+@dataclass
 class RunLog:
     """A run as read from disk: per-step records plus whole-run figures.
 
     ``peak_allocated_mib`` / ``peak_reserved_mib`` / ``alloc_retries`` are the maxima over every
     step and rank that logged them (``None`` when nothing did); ``wall_s`` comes from ``summary.json``.
+    ``val_steps`` holds the validation losses by step (empty when the run logged none).
     """
 
     path: Path
@@ -82,6 +98,8 @@ class RunLog:
     peak_reserved_mib: float | None = None
     alloc_retries: int | None = None
     notes: list[str] = field(default_factory=list)
+    val_steps: dict[int, ValRecord] = field(default_factory=dict)
+    duplicate_val_steps: list[int] = field(default_factory=list)
 
     def describe(self) -> dict:
         """The JSON description of this source (``baseline`` / ``candidate`` in the compare output)."""
@@ -93,6 +111,7 @@ class RunLog:
             "first_step": steps[0] if steps else None,
             "last_step": steps[-1] if steps else None,
             "duplicate_steps": list(self.duplicate_steps),
+            "validation_steps_logged": len(self.val_steps),
         }
 
 
@@ -169,7 +188,7 @@ def _max(values) -> float | None:
     return max(present) if present else None
 
 
-def _store(steps: dict[int, StepRecord], duplicates: list[int], step: int, record: StepRecord) -> None:
+def _store(steps: dict, duplicates: list[int], step: int, record) -> None:
     if step in steps and step not in duplicates:
         duplicates.append(step)
     steps[step] = record  # the last occurrence wins: after a resume it is the one that counts
@@ -179,6 +198,8 @@ def _read_metrics_jsonl(path: Path) -> RunLog:
     lines = _read_text(path).splitlines()
     steps: dict[int, StepRecord] = {}
     duplicates: list[int] = []
+    val_steps: dict[int, ValRecord] = {}
+    val_duplicates: list[int] = []
     notes: list[str] = []
     numbered = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
     for position, (lineno, line) in enumerate(numbered):
@@ -195,6 +216,12 @@ def _read_metrics_jsonl(path: Path) -> RunLog:
         step = record.get("step") if isinstance(record, dict) else None
         if not isinstance(step, int) or isinstance(step, bool):
             raise UserError(f'{path}:{lineno} has no integer "step"; every metrics.jsonl record needs one')
+        split = record.get("split", "train")
+        if split == "val":
+            _store(val_steps, val_duplicates, step, _val_record(record))
+            continue
+        if split != "train":
+            continue  # a split this reader does not know: not a training step
         retries = _number(record.get("alloc_retries"))
         _store(
             steps,
@@ -210,12 +237,27 @@ def _read_metrics_jsonl(path: Path) -> RunLog:
         )
     run = RunLog(path=path, format="metrics-jsonl", steps=dict(sorted(steps.items())), notes=notes)
     run.duplicate_steps = sorted(duplicates)
+    run.val_steps = dict(sorted(val_steps.items()))
+    run.duplicate_val_steps = sorted(val_duplicates)
     run.peak_allocated_mib = _max(r.peak_allocated_mib for r in steps.values())
     run.peak_reserved_mib = _max(r.peak_reserved_mib for r in steps.values())
     retries = [r.alloc_retries for r in steps.values() if r.alloc_retries is not None]
     run.alloc_retries = max(retries) if retries else None
     run.wall_s = _read_wall_s(path.parent / "summary.json")
     return run
+
+
+def _count(value) -> int | None:
+    number = _number(value)
+    return int(number) if number is not None and math.isfinite(number) else None
+
+
+def _val_record(record: dict) -> ValRecord:
+    return ValRecord(
+        loss=_number(record.get("loss")),
+        samples=_count(record.get("samples")),
+        targets=_count(record.get("targets")),
+    )
 
 
 def _read_wall_s(summary: Path) -> float | None:

@@ -8,6 +8,10 @@ the quickstart's 10-step runs) are judged on the loss alone, with step times aft
 and not judged. Either half can be set explicitly (``skip_steps``, ``max_step_time_ratio``,
 ``step_time_check=False``); the report's ``criteria`` says which were applied and why.
 
+Validation losses (``"split": "val"`` records of metrics.jsonl) are compared when both runs logged
+them, with the training loss's definition and threshold on the validation steps both runs logged;
+that check joins the verdict (``validation`` in the report, ``None`` when a run has no validation).
+
 Values that are NaN, infinite or missing are never averaged: the steps that carry them are left
 out of the statistic, listed in the report and named in its ``warnings``. A non-finite candidate
 loss on a compared step fails the loss check.
@@ -18,11 +22,11 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from magistral_cli.errors import UserError
 
-from .logs import RunLog
+from .logs import RunLog, ValRecord
 
 DEFAULT_LOSS_THRESHOLD = 0.02
 #: The seed's warm-up: its step-time statistics cover steps 101-2000.
@@ -70,6 +74,8 @@ class Comparison:
     """The result of ``compare_runs``: the JSON report and the per-step series behind it.
 
     Series are aligned with ``steps`` (the common steps) and hold NaN where a value is missing.
+    ``baseline_val`` / ``candidate_val`` are each run's own validation losses by step (NaN where
+    not finite or not logged; empty when the run logged no validation).
     """
 
     report: dict
@@ -79,6 +85,8 @@ class Comparison:
     relative_error: list[float]
     baseline_step_time_ms: list[float]
     candidate_step_time_ms: list[float]
+    baseline_val: dict[int, float] = field(default_factory=dict)
+    candidate_val: dict[int, float] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -158,6 +166,7 @@ def compare_runs(
 
     loss = _loss_report(steps, b_rec, c_rec, criteria["loss_threshold"], warnings, failures)
     step_time = _step_time_report(steps, b_rec, c_rec, criteria, warnings, failures)
+    validation = _validation_report(baseline, candidate, criteria["loss_threshold"], warnings, failures)
 
     report = {
         "baseline": baseline.describe(),
@@ -166,6 +175,7 @@ def compare_runs(
         "criteria": criteria,
         "loss": loss,
         "step_time_ms": step_time,
+        "validation": validation,
         "memory_mib": {
             "baseline": {
                 "peak_allocated": baseline.peak_allocated_mib,
@@ -200,10 +210,17 @@ def compare_runs(
         relative_error=relative,
         baseline_step_time_ms=[_nan_if_none(r.step_time_ms) for r in b_rec],
         candidate_step_time_ms=[_nan_if_none(r.step_time_ms) for r in c_rec],
+        baseline_val={s: _nan_if_none(r.loss) for s, r in baseline.val_steps.items()},
+        candidate_val={s: _nan_if_none(r.loss) for s, r in candidate.val_steps.items()},
     )
 
 
-def _loss_report(steps, b_rec, c_rec, threshold, warnings, failures) -> dict:
+def _loss_report(steps, b_rec, c_rec, threshold, warnings, failures, *, what: str = "loss") -> dict:
+    """The loss check over ``steps`` (``what``: ``loss``, or ``validation loss`` in the messages).
+
+    For the training loss, no step with a finite loss in both runs is a ``UserError``; for the
+    validation loss it is a warning and the check is not applied (``pass`` None).
+    """
     missing = {"baseline": [], "candidate": []}
     nonfinite = {"baseline": [], "candidate": []}
     for step, b, c in zip(steps, b_rec, c_rec, strict=True):
@@ -214,13 +231,13 @@ def _loss_report(steps, b_rec, c_rec, threshold, warnings, failures) -> dict:
                 nonfinite[name].append(step)
     for name in ("baseline", "candidate"):
         if missing[name]:
-            warnings.append(f"the {name} has no loss at step {_listed(missing[name])}: left out")
+            warnings.append(f"the {name} has no {what} at step {_listed(missing[name])}: left out")
         if nonfinite[name]:
             warnings.append(
-                f"the {name} loss is NaN or infinite at step {_listed(nonfinite[name])}: left out"
+                f"the {name} {what} is NaN or infinite at step {_listed(nonfinite[name])}: left out"
             )
     if nonfinite["candidate"]:
-        failures.append(f"the candidate loss is NaN or infinite at step {_listed(nonfinite['candidate'])}")
+        failures.append(f"the candidate {what} is NaN or infinite at step {_listed(nonfinite['candidate'])}")
 
     used = [
         (s, b.loss, c.loss)
@@ -241,17 +258,25 @@ def _loss_report(steps, b_rec, c_rec, threshold, warnings, failures) -> dict:
     if not used:
         if nonfinite["candidate"]:
             return report  # a failure, already recorded
+        if what != "loss":
+            warnings.append(f"no common step has a finite {what} in both runs: not compared")
+            report["pass"] = None
+            return report
         raise UserError("no compared step has a finite loss in both runs; nothing to compare")
     b_values = [b for _, b, _ in used]
     c_values = [c for _, _, c in used]
     try:
         diff = normalized_mean_abs_diff(b_values, c_values)
     except ValueError as exc:
+        if what != "loss":
+            warnings.append(f"{what}: {exc} on the compared steps; not compared")
+            report["pass"] = None
+            return report
         raise UserError(f"{exc} on the compared steps") from None
     relative = [(abs(c - b) / abs(b), s) for s, b, c in used if b != 0]
     if len(relative) < len(used):
         warnings.append(
-            f"the baseline loss is 0 at {len(used) - len(relative)} step(s): no relative error there"
+            f"the baseline {what} is 0 at {len(used) - len(relative)} step(s): no relative error there"
         )
     if relative:
         worst, worst_step = max(relative, key=lambda pair: pair[0])  # first step on ties
@@ -262,9 +287,80 @@ def _loss_report(steps, b_rec, c_rec, threshold, warnings, failures) -> dict:
     report["pass"] = diff <= threshold and not nonfinite["candidate"]
     if diff > threshold:
         failures.append(
-            f"normalized mean abs loss difference {diff:.4%} exceeds the threshold {threshold:.4%}"
+            f"normalized mean abs {what} difference {diff:.4%} exceeds the threshold {threshold:.4%}"
         )
     return report
+
+
+def _validation_report(baseline: RunLog, candidate: RunLog, threshold, warnings, failures) -> dict | None:
+    """The validation-loss check on the validation steps both runs logged; None if one logged none.
+
+    Same definition and threshold as the training loss (``_loss_report``); a failure fails the
+    comparison. Runs whose validation splits differ in size are compared, with a warning.
+    """
+    b_val, c_val = baseline.val_steps, candidate.val_steps
+    if not b_val or not c_val:
+        if b_val or c_val:
+            only = "baseline" if b_val else "candidate"
+            warnings.append(f"only the {only} logs validation losses: validation not compared")
+        return None
+    for name, run in (("baseline", baseline), ("candidate", candidate)):
+        if run.duplicate_val_steps:
+            warnings.append(
+                f"the {name} logs {len(run.duplicate_val_steps)} validation step(s) more than once: "
+                f"kept the last value of step {_listed(run.duplicate_val_steps)}"
+            )
+    steps = sorted(b_val.keys() & c_val.keys())
+    samples = {"baseline": _samples(b_val.values()), "candidate": _samples(c_val.values())}
+    if not steps:
+        warnings.append(
+            f"no common validation steps: the baseline validates at {_span(sorted(b_val))}, "
+            f"the candidate at {_span(sorted(c_val))}; validation not compared"
+        )
+        return {
+            "steps_compared": 0,
+            "steps": [],
+            "samples": samples,
+            "baseline_last": None,
+            "candidate_last": None,
+            "loss": None,
+            "pass": None,
+        }
+    for name, values in samples.items():
+        if len(values) > 1:
+            warnings.append(f"the {name}'s validation sample count changes between steps: {values}")
+    if samples["baseline"] and samples["candidate"] and samples["baseline"] != samples["candidate"]:
+        warnings.append(
+            f"the validation splits differ (baseline {_listed(samples['baseline'])} samples, candidate "
+            f"{_listed(samples['candidate'])}): their losses are compared, but they measure different data"
+        )
+    only = {name: len(run) - len(steps) for name, run in (("baseline", b_val), ("candidate", c_val))}
+    for name, count in only.items():
+        if count:
+            warnings.append(f"{count} validation step(s) logged by the {name} only are not compared")
+    loss = _loss_report(
+        steps,
+        [b_val[s] for s in steps],
+        [c_val[s] for s in steps],
+        threshold,
+        warnings,
+        failures,
+        what="validation loss",
+    )
+    return {
+        "steps_compared": len(steps),
+        "steps": steps,
+        "samples": samples,
+        "baseline_last": b_val[steps[-1]].loss,
+        "candidate_last": c_val[steps[-1]].loss,
+        "loss": loss,
+        "pass": loss["pass"],
+    }
+
+
+def _samples(records) -> list[int]:
+    """The distinct validation sample counts a run logged, sorted."""
+    return sorted({r.samples for r in records if isinstance(r, ValRecord) and r.samples is not None})
 
 
 def resolve_criteria(

@@ -37,8 +37,9 @@ def plot_comparison(
 ) -> Path:
     """Write a three-panel PNG of ``comparison`` to ``path`` and return the path.
 
-    Panels: both loss curves (NaN/inf candidate steps marked), the per-step relative loss error
-    with the threshold and the normalized mean, and both step-time curves with the warm-up shaded.
+    Panels: both loss curves (NaN/inf candidate steps marked; each run's validation losses as
+    markers on a dotted line, when it logged any), the per-step relative loss error with the
+    threshold and the normalized mean, and both step-time curves with the warm-up shaded.
     """
     plt = _pyplot()
     report = comparison.report
@@ -65,6 +66,9 @@ def _title(report: dict) -> str:
         title += f", normalized mean |Δloss| {loss['normalized_mean_abs_diff']:.3%} (threshold {loss['threshold']:.2%})"
     if times["mean_ratio"] is not None:
         title += f", step time ratio {times['mean_ratio']:.3f}"
+    val = (report.get("validation") or {}).get("loss") or {}
+    if val.get("normalized_mean_abs_diff") is not None:
+        title += f", validation |Δloss| {val['normalized_mean_abs_diff']:.3%}"
     if report["failures"]:
         title += "\n" + report["failures"][0]
     return title
@@ -80,12 +84,23 @@ def _loss_panel(ax, comparison: Comparison, labels) -> None:
         linewidth=1.0,
         linestyle="--",
     )
+    for values, label, color, marker in (
+        (comparison.baseline_val, labels[0], "tab:green", "o"),
+        (comparison.candidate_val, labels[1], "tab:red", "s"),
+    ):
+        if values:
+            steps = sorted(values)
+            ax.plot(
+                steps, [values[s] for s in steps], label=f"{label} validation", color=color, marker=marker,
+                markersize=5, linestyle=":", linewidth=1.0, fillstyle="none" if marker == "s" else "full",
+            )  # fmt: skip
     bad = comparison.report["loss"]["nonfinite_steps"]["candidate"]
     for i, step in enumerate(bad[:50]):
         ax.axvline(
             step, color="tab:red", alpha=0.6, linewidth=1.0, label="candidate NaN/inf" if i == 0 else None
         )
-    ax.set_title("loss", loc="left", fontsize="medium")
+    title = "loss (markers: validation)" if comparison.baseline_val or comparison.candidate_val else "loss"
+    ax.set_title(title, loc="left", fontsize="medium")
     ax.set_ylabel("loss")
 
 

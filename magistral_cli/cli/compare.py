@@ -37,6 +37,8 @@ _HELP = (
     f"{DEFAULT_LOSS_THRESHOLD:.0%} and the mean step time of steps {SEED_WARMUP_STEPS + 1}.. at most "
     f"{SEED_MAX_STEP_TIME_RATIO:g} x the baseline's. Shorter runs: the loss alone, step times after step "
     f"{SHORT_RUN_SKIP_STEPS} reported, not judged. The output names the criteria applied. "
+    'Validation losses (metrics.jsonl records with "split": "val") are compared the same way on '
+    "the validation steps both runs logged, and join the verdict.\n\n"
     "Exit 0 pass, 1 fail, 2 bad input.\n\n"
     "Formats: " + ", ".join(KNOWN_FORMATS) + "."
 )
@@ -90,7 +92,8 @@ def compare(
         Optional[Path],
         typer.Option(
             "--plot",
-            help="Write a PNG with loss curves, relative error and step times (needs the \\[plot] extra).",
+            help="Write a PNG with loss curves (validation losses as markers), relative error and step "
+            "times (needs the \\[plot] extra).",
         ),
     ] = None,
 ) -> None:
@@ -164,6 +167,7 @@ def _render(result: Comparison) -> None:
             str(len(bad["candidate"])),
             ok(not bad["candidate"]),
         )
+    _validation_rows(table, r.get("validation"), ok)
     b, c = times["baseline"] or {}, times["candidate"] or {}
     for stat in ("mean", "median", "p95"):
         table.add_row(f"step time {stat} (ms)", _fmt(b.get(stat), ".1f"), _fmt(c.get(stat), ".1f"), "")
@@ -181,3 +185,37 @@ def _render(result: Comparison) -> None:
     for failure in r["failures"]:
         console.print(f"[red]fail:[/] {escape(failure)}", soft_wrap=True)
     console.print("[bold green]PASS[/]" if result.passed else "[bold red]FAIL[/]")
+
+
+def _validation_rows(table: Table, val: dict | None, ok) -> None:
+    """The validation rows: only when both runs logged validation losses at common steps."""
+    if not val or not val["steps_compared"]:
+        return
+    loss = val["loss"]
+    diff = loss["normalized_mean_abs_diff"]
+    within = None if diff is None else diff <= loss["threshold"]
+    table.add_row(
+        "val loss: norm. mean |diff|", "", _fmt(diff, ".4%"), f"<= {loss['threshold']:.2%} {ok(within)}"
+    )
+    table.add_row("val loss: common steps", "", str(val["steps_compared"]), "")
+    table.add_row(
+        f"val loss at step {val['steps'][-1]}",
+        _fmt(val["baseline_last"], ".4f"),
+        _fmt(val["candidate_last"], ".4f"),
+        "",
+    )
+    samples = val["samples"]
+    table.add_row(
+        "val samples",
+        "/".join(map(str, samples["baseline"])) or "-",
+        "/".join(map(str, samples["candidate"])) or "-",
+        "",
+    )
+    bad = loss["nonfinite_steps"]
+    if bad["baseline"] or bad["candidate"]:
+        table.add_row(
+            "val loss: NaN/inf steps",
+            str(len(bad["baseline"])),
+            str(len(bad["candidate"])),
+            ok(not bad["candidate"]),
+        )

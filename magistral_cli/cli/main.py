@@ -18,7 +18,7 @@ from typer.core import TyperGroup
 from magistral_cli import __version__
 from magistral_cli.errors import MagistralError
 
-from . import compare, convert, fetch, preprocess, probe, quickstart, train
+from . import compare, convert, fetch, generate, preprocess, probe, quickstart, train
 from .output import console
 
 _state = {"debug": False}
@@ -51,7 +51,7 @@ class _Group(TyperGroup):
 app = typer.Typer(
     cls=_Group,
     name="magistral",
-    help="Fine-tune Magistral-Small-2509 with PyTorch FSDP2: fetch -> convert -> preprocess -> train -> compare, and probe.",
+    help="Fine-tune Magistral-Small-2509 with PyTorch FSDP2: fetch -> convert -> preprocess -> train -> compare, generate, and probe.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -78,7 +78,7 @@ def _root(
     _state["debug"] = debug
 
 
-for _module in (fetch, convert, preprocess, train, compare, probe, quickstart):
+for _module in (fetch, convert, preprocess, train, compare, generate, probe, quickstart):
     _module.register(app)
 
 

@@ -25,7 +25,7 @@ def quickstart(
         bool, typer.Option("--json", help="Print the summary as one JSON object on stdout.")
     ] = False,
 ) -> None:
-    """Run fetch-free assets -> convert -> preprocess -> train -> resume -> export -> compare -> probe on the CPU."""
+    """Run fetch-free assets -> convert -> preprocess -> train -> resume -> export -> LoRA -> compare -> probe on the CPU."""
     from magistral_cli.quickstart import QuickstartOptions, StepRecord, run_quickstart
 
     def progress(step: StepRecord) -> None:

@@ -1,4 +1,4 @@
-"""`magistral train`: resolve a recipe, create the run directory, launch torchrun."""
+"""`magistral train`: resolve a recipe, create the run directory, launch torchrun (or submit to SLURM)."""
 
 from __future__ import annotations
 
@@ -50,9 +50,67 @@ def train(
     json_out: Annotated[
         bool, typer.Option("--json", help="Print the launch plan as one JSON object on stdout.")
     ] = False,
+    slurm: Annotated[
+        bool,
+        typer.Option(
+            "--slurm",
+            help="Write <run_dir>/train.sbatch (srun + torchrun's c10d rendezvous) and submit it with sbatch "
+            "(--dry-run: write it only). The run directory must be on storage every node sees.",
+        ),
+    ] = False,
+    nodes: Annotated[
+        Optional[int], typer.Option("--nodes", min=1, help="--slurm: number of nodes (default 1).")
+    ] = None,
+    gpus_per_node: Annotated[
+        Optional[int],
+        typer.Option(
+            "--gpus-per-node",
+            min=1,
+            help="--slurm: devices (= processes) per node (default: --nproc-per-node, else the recipe's).",
+        ),
+    ] = None,
+    partition: Annotated[Optional[str], typer.Option("--partition", help="--slurm: the partition.")] = None,
+    time_limit: Annotated[
+        Optional[str], typer.Option("--time", help="--slurm: the time limit, e.g. 2-00:00:00.")
+    ] = None,
+    account: Annotated[
+        Optional[str], typer.Option("--account", help="--slurm: the account to charge.")
+    ] = None,
+    job_name: Annotated[
+        Optional[str],
+        typer.Option("--job-name", help="--slurm: the job name (default: the run directory's)."),
+    ] = None,
 ) -> None:
-    """Train with the FSDP2 engine under torchrun (per-rank logs in the run directory)."""
+    """Train with the FSDP2 engine under torchrun (per-rank logs in the run directory), or submit it to SLURM."""
     from magistral_cli.launch.launcher import LaunchOptions, plan_launch, run_launch
+
+    slurm_only = {
+        "--nodes": nodes,
+        "--gpus-per-node": gpus_per_node,
+        "--partition": partition,
+        "--time": time_limit,
+        "--account": account,
+        "--job-name": job_name,
+    }
+    if slurm:
+        _train_slurm(
+            recipe,
+            list(overrides or []),
+            nproc_per_node=nproc_per_node,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+            dry_run=dry_run,
+            json_out=json_out,
+            slurm_only=slurm_only,
+        )
+        return
+    given = [flag for flag, value in slurm_only.items() if value is not None]
+    if given:
+        from magistral_cli.errors import UserError
+
+        raise UserError(f"{', '.join(given)} only apply with --slurm; add --slurm or drop them")
 
     options = LaunchOptions(
         nproc_per_node=nproc_per_node,
@@ -62,7 +120,10 @@ def train(
         master_port=master_port,
         dry_run=dry_run,
     )
-    plan = plan_launch(recipe, list(overrides or []), options)
+    from .output import rows_progress
+
+    with rows_progress() as progress:  # the dataset encoding before a real launch, if any
+        plan = plan_launch(recipe, list(overrides or []), options, progress=progress)
     plan.render(console)
     if json_out:
         emit_json(plan.to_json())
@@ -71,6 +132,58 @@ def train(
         return
     code = run_launch(plan, console, node_rank=node_rank)
     raise typer.Exit(code)
+
+
+def _train_slurm(
+    recipe: Path,
+    overrides: List[str],
+    *,
+    nproc_per_node: Optional[int],
+    nnodes: int,
+    node_rank: int,
+    master_addr: Optional[str],
+    master_port: Optional[int],
+    dry_run: bool,
+    json_out: bool,
+    slurm_only: dict,
+) -> None:
+    from magistral_cli.errors import UserError
+    from magistral_cli.launch.slurm import SlurmOptions, plan_slurm, submit
+
+    if nnodes != 1 or node_rank != 0 or master_addr is not None:
+        raise UserError(
+            "--slurm takes --nodes N (SLURM places the nodes and torchrun's rendezvous finds them); "
+            "drop --nnodes, --node-rank and --master-addr"
+        )
+    gpus = slurm_only["--gpus-per-node"]
+    if gpus is not None and nproc_per_node is not None and gpus != nproc_per_node:
+        raise UserError(
+            f"--gpus-per-node {gpus} and --nproc-per-node {nproc_per_node} differ; give one of them"
+        )
+    options = SlurmOptions(
+        nodes=slurm_only["--nodes"] or 1,
+        gpus_per_node=gpus or nproc_per_node,
+        partition=slurm_only["--partition"],
+        time=slurm_only["--time"],
+        account=slurm_only["--account"],
+        job_name=slurm_only["--job-name"],
+        master_port=master_port,
+    )
+    plan = plan_slurm(recipe, overrides, options, dry_run=dry_run)
+    plan.render(console)
+    job_id = None
+    if dry_run:
+        console.print(
+            f"[green]dry run:[/] not submitted; submit it with: sbatch {plan.script}", soft_wrap=True
+        )
+    else:
+        job_id = submit(plan)
+        console.print(
+            f"[green]submitted[/] job {job_id}; its log: {plan.launch.run_dir}/logs/slurm-{job_id}.out",
+            soft_wrap=True,
+        )
+    if json_out:
+        emit_json(plan.to_json(job_id))
 
 
 def register(app: typer.Typer) -> None:

@@ -280,7 +280,7 @@ def describe_validation_error(exc: ValidationError) -> list[str]:
                 else f" (got {got!r})"
             )
             lines.append(f"{path}: {msg}{shown}")
-    return lines
+    return list(dict.fromkeys(lines))  # a union field reports one problem once per member
 
 
 def validate_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:

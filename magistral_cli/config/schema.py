@@ -350,7 +350,9 @@ class BasicParameters(Section):
     )
     max_samples: Optional[int] = Field(None, ge=1, description="Use only the first N rows.")
     packing: bool = Field(False, description="Concatenate samples up to cutoff_len (causal across samples).")
-    neat_packing: bool = Field(False, description="Packing without cross-sample attention (not supported).")
+    neat_packing: bool = Field(
+        False, description="Packing without cross-sample attention (not supported yet: must stay false)."
+    )
     default_system: Optional[str] = Field(
         None,
         description=(
@@ -361,12 +363,70 @@ class BasicParameters(Section):
     streaming: bool = Field(
         False, description="MindSpeed-MM streaming switch (not supported; must stay false)."
     )
+    val_size: Union[float, int] = Field(
+        0,
+        description=(
+            "Addition. Validation split, LLaMA-Factory's val_size: a fraction in (0, 1) of the encoded samples "
+            "(rounded, at least 1) or a count >= 1 (an integral float such as 200.0 is a count); 0 = no "
+            "validation. Split before any shuffling, seeded by training.seed; training reads the rest."
+        ),
+    )
 
     @field_validator("streaming")
     @classmethod
     def _no_streaming(cls, value):
         if value:
             raise ValueError("streaming datasets are not supported; preprocess into the cache instead")
+        return value
+
+    @field_validator("val_size", mode="before")
+    @classmethod
+    def _val_size_number(cls, value):
+        if isinstance(value, str):  # one clear message instead of one per member of the union
+            try:
+                return int(value)
+            except ValueError:
+                pass
+            try:
+                return float(value)
+            except ValueError:
+                raise ValueError(
+                    f"must be a number, got {value!r}: a fraction such as 0.05 or a count such as 200"
+                ) from None
+        return value
+
+    @field_validator("val_size")
+    @classmethod
+    def _val_size(cls, value):
+        if value < 0:
+            raise ValueError(
+                f"must be 0 (no validation), a fraction in (0, 1) or a count >= 1, got {value}; "
+                "write a fraction such as 0.05 or a count of samples such as 200"
+            )
+        if isinstance(value, float) and value >= 1:
+            if value == 1:
+                raise ValueError(
+                    "1.0 as a fraction would take the whole dataset and leave no training sample; write a "
+                    "fraction below 1 (0.05) or, for one validation sample, the count 1"
+                )
+            if not value.is_integer():
+                raise ValueError(
+                    f"{value} is neither a fraction in (0, 1) nor a whole count of samples; write a fraction "
+                    f"such as 0.05 or a count such as {round(value)}"
+                )
+            return int(value)  # LLaMA-Factory reads val_size > 1 as a count
+        return 0 if value == 0 else value
+
+    @field_validator("neat_packing")
+    @classmethod
+    def _no_neat_packing(cls, value):
+        # The one place neat_packing is refused: data, attention and context parallelism rely on it.
+        if value:
+            raise ValueError(
+                "neat_packing (packing in which each sample attends only to its own tokens, through a "
+                "per-sample attention mask) is not supported yet; set neat_packing: false (packing: true "
+                "still packs samples, with attention causal across the samples of a pack)"
+            )
         return value
 
 
@@ -385,6 +445,17 @@ class DatasetParam(Section):
     basic_parameters: BasicParameters = Field(
         default_factory=BasicParameters, description="Template, truncation, cache."
     )
+
+    @model_validator(mode="after")
+    def _synthetic_val_size(self):
+        val_size = self.basic_parameters.val_size
+        if self.dataset_type == "synthetic" and isinstance(val_size, float) and val_size > 0:
+            raise ValueError(
+                f"data.dataset_param.basic_parameters.val_size is the fraction {val_size}, and synthetic data "
+                "(dataset_type: synthetic) has no dataset size to take a fraction of: set a count of synthetic "
+                "validation samples (val_size: 8)"
+            )
+        return self
 
 
 class CollateParam(Section):
@@ -445,6 +516,93 @@ class Data(Section):
 # --------------------------------------------------------------------------- model
 
 
+#: ``model.lora.apply_to`` scopes: where a bare Linear-layer name (``q_proj``) looks for layers.
+LORA_SCOPES = {
+    "language_model": "model.language_model",
+    "projector": "model.multi_modal_projector",
+    "vision_tower": "model.vision_tower",
+}
+#: ``model.lora.init_lora_weights`` values (PEFT's that need no base weights or data).
+LORA_INITS = (True, False, "gaussian")
+
+
+class LoraConfig(Section):
+    """LoRA adapters (MindSpeed-MM's ``--lora-r / --lora-alpha / --lora-dropout / --lora-target-modules``)."""
+
+    r: int = Field(16, ge=1, description="Addition. LoRA rank (MindSpeed-MM --lora-r).")
+    alpha: int = Field(
+        32, ge=1, description="Addition. LoRA alpha (--lora-alpha); the update is scaled by alpha / r."
+    )
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="Addition. Dropout on the adapters' input (--lora-dropout)."
+    )
+    target_modules: list[str] = Field(
+        default_factory=list,
+        validate_default=True,
+        description=(
+            "Addition. Linear layers that get adapters (--lora-target-modules): a bare layer name "
+            "(q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) means every Linear of that name "
+            "in the apply_to parts; a dotted module pattern ({*} = one component, as in model.freeze) names "
+            "layers anywhere. A name or pattern that matches no Linear layer is an error."
+        ),
+    )
+    apply_to: list[Literal["language_model", "projector", "vision_tower"]] = Field(
+        default_factory=lambda: ["language_model"],
+        min_length=1,
+        description="Addition. Where bare names in target_modules look: language_model, projector, vision_tower.",
+    )
+    modules_to_save: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Addition. Module patterns trained in full next to the adapters (PEFT's modules_to_save, "
+            "e.g. lm_head); saved with the adapters."
+        ),
+    )
+    init_lora_weights: Union[bool, str] = Field(
+        True,
+        description=(
+            "Addition. PEFT's init_lora_weights: true (PEFT's default: A kaiming-uniform, B zero), 'gaussian' "
+            "(A normal with std 1/r, B zero) or false (A and B random: the model changes at step 0; for tests)."
+        ),
+    )
+
+    @field_validator("target_modules", "modules_to_save")
+    @classmethod
+    def _names(cls, value: list[str], info: ValidationInfo):
+        if not value and info.field_name == "target_modules":
+            raise ValueError(
+                "is empty; list the Linear layers to adapt, e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, "
+                "up_proj, down_proj], or remove model.lora for full fine-tuning"
+            )
+        for item in value:
+            if not item or item != item.strip() or " " in item:
+                raise ValueError(
+                    f"{item!r} is empty or has spaces; write a layer name (q_proj) or a module pattern "
+                    "(model.language_model.layers.{*}.self_attn.q_proj)"
+                )
+        repeated = sorted({item for item in value if value.count(item) > 1})
+        if repeated:
+            raise ValueError(f"{repeated[0]!r} is listed twice; list each name once")
+        return value
+
+    @field_validator("init_lora_weights", mode="before")
+    @classmethod
+    def _init(cls, value):
+        if isinstance(value, str) and value.lower() == "gaussian":
+            return "gaussian"
+        if value not in LORA_INITS or not isinstance(value, bool | str):
+            raise ValueError(
+                f"{value!r} is not supported; use true (PEFT's default: A kaiming-uniform, B zero), 'gaussian' "
+                "or false (PEFT's data- or weight-driven inits such as pissa, olora, loftq, eva are not)"
+            )
+        return value
+
+    @property
+    def scaling(self) -> float:
+        """The factor of the adapters' update: alpha / r (PEFT's ``scaling`` without rslora)."""
+        return self.alpha / self.r
+
+
 class Model(Section):
     model_id: str = Field(
         "mistral3", description="Model family; only 'mistral3' (Mistral3ForConditionalGeneration)."
@@ -461,6 +619,13 @@ class Model(Section):
         default_factory=lambda: ["model.vision_tower", "model.multi_modal_projector"],
         description="Module patterns whose parameters are not trained.",
     )
+    lora: Optional[LoraConfig] = Field(
+        None,
+        description=(
+            "Addition. Train LoRA adapters (PEFT) instead of the weights: the base stays frozen, in "
+            "fsdp_plan.param_dtype; null = full fine-tuning."
+        ),
+    )
 
     @field_validator("model_id")
     @classmethod
@@ -468,6 +633,31 @@ class Model(Section):
         if value != "mistral3":
             raise ValueError(f"model_id {value!r} is not supported; this tool trains 'mistral3'")
         return value
+
+    @model_validator(mode="after")
+    def _lora_not_frozen(self):
+        # model.freeze runs after the adapters exist and would freeze the adapters of a frozen part.
+        if self.lora is None:
+            return self
+        from magistral_cli.errors import UserError
+
+        from .patterns import compile_pattern
+
+        for part in self.lora.apply_to:
+            scope = LORA_SCOPES[part]
+            for pattern in self.freeze:
+                try:
+                    regex = compile_pattern(pattern)
+                except UserError:
+                    continue  # a malformed pattern is reported where model.freeze is applied
+                prefixes = [".".join(scope.split(".")[:i]) for i in range(1, scope.count(".") + 2)]
+                if any(regex.match(p) for p in prefixes):
+                    raise ValueError(
+                        f"lora.apply_to has {part!r} but freeze has {pattern!r}, which would freeze its adapters "
+                        f"too; remove {pattern!r} from model.freeze (LoRA freezes the base weights anyway) or "
+                        f"{part!r} from model.lora.apply_to"
+                    )
+        return self
 
 
 # --------------------------------------------------------------------------- features
@@ -631,9 +821,28 @@ class Training(Section):
     output_dir: Optional[str] = Field(
         None, description="Addition. Run directory (default runs/<recipe-name>-<timestamp>)."
     )
-    val_interval: int = Field(
-        0, ge=0, description="Validation interval (validation is not supported; keep 0)."
+    eval_interval: Optional[int] = Field(
+        None,
+        ge=1,
+        description=(
+            "Addition. Megatron's eval_interval: compute the validation loss every N steps (and at the end); "
+            "null = only at the end of training. Needs data.dataset_param.basic_parameters.val_size."
+        ),
     )
+    val_interval: int = Field(
+        0, ge=0, description="Placeholder kept for old recipes: 0 only; validation runs with eval_interval."
+    )
+
+    @field_validator("val_interval")
+    @classmethod
+    def _val_interval(cls, value):
+        if value:
+            raise ValueError(
+                "validation is set by training.eval_interval (every N steps) with "
+                "data.dataset_param.basic_parameters.val_size (the split); remove training.val_interval "
+                "or set it to 0"
+            )
+        return value
 
     @field_validator("plugin")
     @classmethod
@@ -758,9 +967,43 @@ class MemoryProfile(Section):
     mem_info: bool = Field(False, description="Print allocator statistics.")
 
 
+class TensorboardOptions(Section):
+    log_dir: str = Field(
+        "tensorboard",
+        description="Addition. Event file directory (relative paths go under the run directory).",
+    )
+
+
+class WandbOptions(Section):
+    project: str = Field("magistral", min_length=1, description="Addition. W&B project.")
+    entity: Optional[str] = Field(None, description="Addition. W&B entity (team or user); null = yours.")
+    name: Optional[str] = Field(None, description="Addition. Run name; null = the run directory's name.")
+    mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="Addition. offline writes the run under dir only (`wandb sync` uploads it later); "
+        "online streams it (needs `wandb login` or WANDB_API_KEY).",
+    )
+    dir: str = Field(
+        ".",
+        description="Addition. Parent of W&B's wandb/ folder (relative paths go under the run directory).",
+    )
+    tags: list[str] = Field(default_factory=list, description="Addition. Run tags.")
+
+
 class Tools(Section):
     profile: Profile = Field(default_factory=Profile, description="Torch profiler.")
     memory_profile: MemoryProfile = Field(default_factory=MemoryProfile, description="Allocator snapshot.")
+    logger: Literal["none", "tensorboard", "wandb"] = Field(
+        "none",
+        description="Addition. Where rank 0 also logs every metrics.jsonl field and the resolved recipe: "
+        "tensorboard (pip install 'magistral-cli[tensorboard]'), wandb (pip install 'magistral-cli[wandb]') or none.",
+    )
+    tensorboard: TensorboardOptions = Field(
+        default_factory=TensorboardOptions, description="Addition. Options of tools.logger: tensorboard."
+    )
+    wandb: WandbOptions = Field(
+        default_factory=WandbOptions, description="Addition. Options of tools.logger: wandb."
+    )
 
 
 # --------------------------------------------------------------------------- recipe
@@ -775,6 +1018,15 @@ class Recipe(Section):
     features: Features = Field(default_factory=Features, description="Memory and speed features.")
     training: Training = Field(..., description="Optimization, checkpoints and logging.")
     tools: Tools = Field(default_factory=Tools, description="Profilers.")
+
+    @model_validator(mode="after")
+    def _eval_needs_a_split(self):
+        if self.training.eval_interval is not None and not self.data.dataset_param.basic_parameters.val_size:
+            raise ValueError(
+                "training.eval_interval needs a validation split: set data.dataset_param.basic_parameters.val_size "
+                "(a fraction such as 0.05 or a count such as 200), or remove training.eval_interval"
+            )
+        return self
 
 
 def compatibility_notes(recipe: Recipe) -> list[str]:

@@ -1,4 +1,4 @@
-"""What the trainer calls: ``prepare_dataset`` and ``build_train_dataloader``.
+"""What the trainer calls: ``prepare_dataset``, ``build_train_dataloader`` and ``build_val_batches``.
 
 ::
 
@@ -6,54 +6,128 @@
     loader = build_train_dataloader(recipe, dataset, dp_rank=r, dp_size=n)
     for batch in loader: ...                              # micro-batches of this rank
     state = loader.state_dict(); loader.load_state_dict(state)   # exact resume
+    val = build_val_batches(recipe, dataset, dp_rank=r, dp_size=n)   # with val_size
+    for batch in val: ...                                 # this rank's validation micro-batches
 
 Images are read and turned into pixel values in the loader's workers; the cache holds token
 ids and image paths and sizes only.
+
+With ``data.dataset_param.basic_parameters.val_size`` the encoded samples are split once
+(``split_indices``: LLaMA-Factory's seeded shuffle split, seeded by ``training.seed``) before the
+sampler shuffles or packing plans anything: the training loader reads only the training samples,
+the validation batches only the validation samples. Without ``val_size`` the training loader is
+what it was (the same sampler length, samples and order).
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from magistral_cli.errors import UserError
 
 from .cache import EncodedDataset
-from .collator import COLLATORS, PixtralCollator
+from .collator import COLLATORS, IGNORE_INDEX, PixtralCollator
 from .packing import plan_packs
 from .pixtral import ImageSettings, load_pixel_values
 from .samplers import SAMPLER_TYPES, build_sampler
 
 
-def prepare_dataset(recipe, *, show_progress: bool = True) -> EncodedDataset:
+def prepare_dataset(recipe, *, progress=None) -> EncodedDataset:
     """Encode the recipe's dataset into its fingerprinted cache entry, or reuse it (idempotent).
 
     Safe to call from every rank: concurrent callers on one machine wait for the first (a
-    lock file), and a cache entry appears atomically.
+    lock file), and a cache entry appears atomically. ``progress(done_rows, total_rows)`` is
+    ``pipeline.ProgressFn`` (the CLI passes a rich bar).
     """
     from .pipeline import run_preprocess
 
-    return run_preprocess(recipe, show_progress=show_progress).dataset
+    return run_preprocess(recipe, progress=progress).dataset
+
+
+VAL_SIZE_KEY = "data.dataset_param.basic_parameters.val_size"
+
+
+def validation_count(n: int, val_size: float | int) -> int:
+    """How many of ``n`` encoded samples ``val_size`` takes for validation.
+
+    A fraction in (0, 1): ``round(n * val_size)``, at least 1; an int (or integral float) >= 1:
+    that count; 0: none. ``UserError`` when that leaves no training sample, or for a value the
+    schema refuses (negative, a non-integral float >= 1).
+    """
+    if val_size < 0 or (val_size >= 1 and not float(val_size).is_integer()):
+        raise UserError(
+            f"{VAL_SIZE_KEY} is {val_size}: it must be 0 (no validation), a fraction in (0, 1) or a whole count "
+            ">= 1 of samples"
+        )
+    if val_size == 0:
+        return 0
+    k = max(1, round(n * val_size)) if val_size < 1 else int(val_size)
+    if k >= n:
+        raise UserError(
+            f"{VAL_SIZE_KEY} {val_size} takes {k} of the {n} encoded samples for validation and leaves no "
+            f"training sample: lower val_size (a fraction such as 0.05, or a count below {n})"
+        )
+    return k
+
+
+def split_indices(n: int, val_size: float | int, seed: int) -> tuple[list[int], list[int]]:
+    """The training and validation sample indices of an encoded dataset of ``n`` samples, both sorted.
+
+    LLaMA-Factory's split: a seeded shuffle (``numpy.random.default_rng(seed).permutation(n)``)
+    whose first k indices (``validation_count``) are the validation samples. Deterministic in
+    ``(n, val_size, seed)`` and independent of the global RNGs; ``val_size`` 0 keeps every sample
+    for training.
+    """
+    k = validation_count(n, val_size)
+    if k == 0:
+        return list(range(n)), []
+    order = np.random.default_rng(seed).permutation(n)
+    return sorted(int(i) for i in order[k:]), sorted(int(i) for i in order[:k])
+
+
+def dataset_split(recipe, dataset: EncodedDataset) -> tuple[list[int], list[int]] | None:
+    """``split_indices`` of the recipe's ``val_size`` and ``training.seed``; None without val_size."""
+    val_size = recipe.data.dataset_param.basic_parameters.val_size
+    if not val_size:
+        return None
+    return split_indices(len(dataset), val_size, recipe.training.seed)
 
 
 class TrainDataset:
     """Map-style dataset over cached samples (or packs of them) that loads their images.
 
     Item ``i`` is a dict of numpy arrays (``input_ids``, ``labels``, ``position_ids``) and
-    ``pixel_values``, a list of [3, H, W] float32 arrays in ``[IMG]``-block order.
+    ``pixel_values``, a list of [3, H, W] float32 arrays in ``[IMG]``-block order. ``packs``
+    hold cache indices; ``indices`` (without packs) makes item ``i`` the cached sample
+    ``indices[i]`` (the training samples of a validation split); neither: item ``i`` is sample ``i``.
     """
 
     def __init__(
-        self, encoded: EncodedDataset, settings: ImageSettings, packs: list[list[int]] | None = None
+        self,
+        encoded: EncodedDataset,
+        settings: ImageSettings,
+        packs: list[list[int]] | None = None,
+        indices: list[int] | None = None,
     ):
         self.encoded = encoded
         self.settings = settings
         self.packs = packs
+        self.indices = indices
 
     def __len__(self) -> int:
-        return len(self.packs) if self.packs is not None else len(self.encoded)
+        if self.packs is not None:
+            return len(self.packs)
+        return len(self.indices) if self.indices is not None else len(self.encoded)
 
     def __getitem__(self, index: int) -> dict:
-        members = self.packs[index] if self.packs is not None else [index]
+        if self.packs is not None:
+            members = self.packs[index]
+        else:
+            members = [self.indices[index] if self.indices is not None else index]
         ids, labels, positions, pixels = [], [], [], []
         for member in members:
             sample = self.encoded[member]
@@ -83,18 +157,23 @@ def _check_loader_options(recipe) -> None:
         )
     if dl.collate_param.collator_id not in COLLATORS:
         raise UserError(f"collator_id {dl.collate_param.collator_id!r} is not supported; use 'pixtral'")
-    if recipe.data.dataset_param.basic_parameters.neat_packing:
-        raise UserError(
-            "neat_packing is not supported; set it to false (packing: true packs without isolation)"
-        )
 
 
 def build_train_dataset(recipe, dataset: EncodedDataset) -> TrainDataset:
-    """The map-style dataset the loader reads: samples, or packs of them with ``packing: true``."""
+    """The map-style dataset the loader reads: samples, or packs of them with ``packing: true``;
+    the training samples only when the recipe has a validation split (``val_size``)."""
     from .pipeline import image_settings_of
 
     basic = recipe.data.dataset_param.basic_parameters
-    packs = plan_packs(dataset.lengths, basic.cutoff_len) if basic.packing else None
+    split = dataset_split(recipe, dataset)
+    if split is None:
+        packs = plan_packs(dataset.lengths, basic.cutoff_len) if basic.packing else None
+        return TrainDataset(dataset, image_settings_of(dataset), packs)
+    train = split[0]
+    if not basic.packing:
+        return TrainDataset(dataset, image_settings_of(dataset), indices=train)
+    planned = plan_packs(np.asarray(dataset.lengths)[train], basic.cutoff_len)
+    packs = [[train[position] for position in pack] for pack in planned]
     return TrainDataset(dataset, image_settings_of(dataset), packs)
 
 
@@ -143,4 +222,163 @@ def build_train_dataloader(recipe, dataset: EncodedDataset, *, dp_rank: int, dp_
         num_workers=workers,
         pin_memory=pin,
         **options,
+    )
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _without_targets(batch: dict) -> dict:
+    """A copy of a micro-batch whose labels are all ignored: it adds no target to the loss."""
+    import torch
+
+    out = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    out["labels"] = torch.full_like(batch["labels"], IGNORE_INDEX)
+    return out
+
+
+class ValBatches:
+    """One data-parallel rank's validation micro-batches: finite, deterministic, repeatable.
+
+    The validation samples (``indices`` into ``items``, sorted) go to the ranks in turn (rank
+    ``r`` takes ``indices[r::dp_size]``) and are cut into micro-batches of ``micro_batch_size``
+    in that order; the last one of a rank may be shorter: no sample is dropped, none is read
+    twice. Every rank yields ``len(self)`` micro-batches (FSDP's collectives run once per forward
+    on every rank): a rank with fewer real ones yields after them ``num_fillers`` copies of its
+    last real one (or, with none, of the split's first micro-batch) whose labels are all -100.
+
+    Each ``iter()`` starts from the beginning. No shuffling, no packing; nothing here touches the
+    global RNGs (a loader with workers gets a generator of its own) or the training loader.
+    """
+
+    def __init__(
+        self,
+        items,
+        batches: list[list[int]],
+        collate: Callable[[list[Any]], dict],
+        *,
+        length: int,
+        num_samples: int,
+        filler: list[int],
+        num_workers: int = 0,
+        pin_memory: bool = False,
+    ):
+        if length < len(batches) or length < 1:
+            raise ValueError(
+                f"length {length} is below this rank's {len(batches)} micro-batches (or below 1)"
+            )
+        self.items = items
+        self.batches = batches
+        self.collate = collate
+        self.length = length
+        self.num_samples = num_samples
+        self.filler = filler
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+
+    @classmethod
+    def over(
+        cls,
+        items,
+        indices: Sequence[int],
+        collate: Callable[[list[Any]], dict],
+        *,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+    ) -> ValBatches:
+        """Rank ``dp_rank``'s share of the validation samples ``indices`` of map-style ``items``."""
+        indices = list(indices)
+        if not indices:
+            raise ValueError("no validation samples")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is not in 0..{dp_size - 1}")
+        if micro_batch_size < 1:
+            raise ValueError("micro_batch_size must be >= 1")
+        share = indices[dp_rank::dp_size]
+        batches = [share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
+        # Rank 0 has the longest share: ceil(n / dp_size) samples.
+        length = math.ceil(math.ceil(len(indices) / dp_size) / micro_batch_size)
+        return cls(
+            items,
+            batches,
+            collate,
+            length=length,
+            num_samples=len(indices),
+            filler=indices[:micro_batch_size],
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+        )
+
+    def __len__(self) -> int:
+        return self.length
+
+    @property
+    def num_fillers(self) -> int:
+        """Micro-batches without targets this rank yields after its real ones."""
+        return self.length - len(self.batches)
+
+    def __iter__(self):
+        filler = None
+        for batch in self._real():
+            if self.num_fillers:  # copied before the caller sees it, whatever it does with it
+                filler = _without_targets(batch)
+            yield batch
+        for _ in range(self.num_fillers):
+            if filler is None:
+                filler = _without_targets(self.collate([self.items[i] for i in self.filler]))
+            yield _without_targets(filler)
+
+    def _real(self):
+        if not self.batches:
+            return
+        if not self.num_workers:
+            for batch in self.batches:
+                yield self.collate([self.items[i] for i in batch])
+            return
+        import torch
+        from torch.utils.data import DataLoader
+
+        # A generator of its own: the DataLoader would otherwise draw its base seed from torch's
+        # global RNG, and training must not see whether an evaluation ran.
+        loader = DataLoader(
+            self.items,
+            batch_sampler=self.batches,
+            collate_fn=self.collate,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            generator=torch.Generator().manual_seed(0),
+        )
+        yield from loader
+
+
+def build_val_batches(recipe, dataset: EncodedDataset, *, dp_rank: int, dp_size: int) -> ValBatches:
+    """Rank ``dp_rank``'s validation micro-batches of the recipe's split (``val_size``).
+
+    ``training.micro_batch_size`` samples each, the training collator and image loading, no
+    packing and no shuffle, ``data.dataloader_param.num_workers`` workers (see ``ValBatches``).
+    ``UserError`` when the recipe has no validation split or the split leaves no training sample.
+    """
+    import torch
+
+    from .pipeline import image_settings_of
+
+    _check_loader_options(recipe)
+    split = dataset_split(recipe, dataset)
+    if split is None:
+        raise UserError(f"no validation split: set {VAL_SIZE_KEY} (a fraction such as 0.05 or a count)")
+    dl = recipe.data.dataloader_param
+    pad = int(dataset.meta["pad_token_id"])
+    collator = PixtralCollator(pad, ignore_pad_token_for_loss=dl.collate_param.ignore_pad_token_for_loss)
+    return ValBatches.over(
+        TrainDataset(dataset, image_settings_of(dataset)),
+        split[1],
+        collator,
+        micro_batch_size=recipe.training.micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        num_workers=dl.num_workers,
+        pin_memory=dl.pin_memory and (torch.cuda.is_available() or hasattr(torch, "npu")),
     )

@@ -1,4 +1,4 @@
-"""The preprocessing report: kept, dropped by reason, lengths, images, speed."""
+"""The preprocessing report: kept, dropped by reason, lengths, images, speed, and the split."""
 
 from __future__ import annotations
 
@@ -45,6 +45,22 @@ def build_report(writer, *, rows: int, seconds: float, cutoff_len: int, workers:
     }
 
 
+def with_split(report: dict, recipe, kept: int) -> dict:
+    """The report with ``split`` (train / validation sample counts) when the recipe has ``val_size``.
+
+    The split is decided when the loaders are built, from ``val_size`` and ``training.seed``, so
+    it is not part of the cache entry (nor of its report.json): one entry serves every val_size.
+    """
+    from .loader import validation_count
+
+    val_size = recipe.data.dataset_param.basic_parameters.val_size
+    if not val_size:
+        return report
+    val = validation_count(kept, val_size)
+    split = {"train": kept - val, "val": val, "val_size": val_size, "seed": recipe.training.seed}
+    return {**report, "split": split}
+
+
 def render_report(report: dict, console, *, entry: str, reused: bool) -> None:
     """The report as rich tables on ``console``."""
     from rich.table import Table
@@ -56,6 +72,12 @@ def render_report(report: dict, console, *, entry: str, reused: bool) -> None:
     table.add_row("cache entry", entry)
     table.add_row("rows read", str(report["rows"]))
     table.add_row("kept", f"[green]{report['kept']}[/]")
+    split = report.get("split")
+    if split:
+        table.add_row(
+            "train / validation",
+            f"{split['train']} / {split['val']} (val_size {split['val_size']}, seed {split['seed']})",
+        )
     table.add_row("dropped", f"[red]{report['dropped']}[/]" if report["dropped"] else "0")
     table.add_row("truncated (kept)", str(report["truncated"]))
     table.add_row("tokens", f"{report['tokens']} ({report['label_tokens']} trained)")

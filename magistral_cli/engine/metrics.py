@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -11,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from magistral_cli.runtime import device_module
+
+log = logging.getLogger(__name__)
 
 FIELDS = (
     "step",
@@ -49,16 +52,23 @@ def _strict(value: Any) -> Any:
 
 
 class MetricsFile:
-    """Append-only ``metrics.jsonl`` (rank 0).
+    """Append-only ``metrics.jsonl`` (rank 0), and the ``tools.logger`` sinks that get each line.
 
     On resume from step N, the lines after step N (and any line a crash cut) are moved aside to
     ``metrics.after_step_<N>[.K].jsonl`` next to it, never deleted: they describe steps the
     resumed run will take again.
     """
 
-    def __init__(self, path: Path, resume_step: int = 0):
+    def __init__(self, path: Path, resume_step: int = 0, *, recipe: Any = None, sinks: list | None = None):
         self.path = path
         self.moved_aside: Path | None = None
+        # tools.logger (TensorBoard / W&B) gets every line written here; built first, so that a
+        # missing package stops the run before it trains (UserError naming the extra to install).
+        if sinks is None:
+            from .loggers import build_sinks
+
+            sinks = build_sinks(recipe, path.parent, resume_step) if recipe is not None else []
+        self.sinks = list(sinks)
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.is_file():
             kept, aside = [], []
@@ -86,14 +96,33 @@ class MetricsFile:
         return candidate
 
     def write(self, record: dict[str, Any]) -> None:
-        line = {k: _strict(record.get(k)) for k in FIELDS}
-        if record.get("skipped"):
-            line["skipped"] = True
+        """One line: a train step's FIELDS, or a record with a ``split`` (``"val"``) as given."""
+        if record.get("split", "train") != "train":
+            line = {"step": record["step"], "split": record["split"]}
+            line.update({k: _strict(v) for k, v in record.items() if k not in line})
+        else:
+            line = {k: _strict(record.get(k)) for k in FIELDS}
+            if record.get("skipped"):
+                line["skipped"] = True
         self._file.write(json.dumps(line, allow_nan=False) + "\n")
         self._file.flush()
+        for sink in list(self.sinks):
+            try:
+                sink.log(line)
+            except Exception as exc:  # a dashboard failing mid-run does not stop the training
+                log.warning(
+                    "tools.logger %s failed and is off for the rest of the run: %s", type(sink).__name__, exc
+                )
+                self.sinks.remove(sink)
 
     def close(self) -> None:
         self._file.close()
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            try:
+                sink.close()
+            except Exception as exc:
+                log.warning("tools.logger %s did not close cleanly: %s", type(sink).__name__, exc)
 
 
 def write_summary(path: Path, *, steps: int, wall_s: float, exit_status: int, **extra: Any) -> None:
@@ -109,6 +138,11 @@ def write_summary(path: Path, *, steps: int, wall_s: float, exit_status: int, **
     os.replace(tmp, path)
 
 
+def _loss_text(loss: float | None) -> str:
+    """A loss for the progress line: 4 decimals, ``nan`` for a missing or non-finite one."""
+    return "nan" if loss is None else f"{loss:.4f}"
+
+
 def _eta(seconds: float) -> str:
     seconds = max(0, int(seconds))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
@@ -122,6 +156,9 @@ class Progress:
         self.enabled = enabled
         self.started = time.monotonic()
         self.start_step = start_step
+        self.val_loss: float | None = None  # the latest validation loss (Progress.validation)
+        self._last: dict[str, Any] | None = None  # the latest training record (update)
+        self._validated = False
         self._live = None
         if enabled and sys.stderr.isatty():
             from rich.console import Console
@@ -142,17 +179,43 @@ class Progress:
     def update(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        self._last = record
         step = record["step"]
         done = step - self.start_step
         eta = (time.monotonic() - self.started) / max(done, 1) * (self.total - step)
-        info = (
-            f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  {record['step_time_ms']:.0f} ms/step"
-            f"  {record['tokens_per_s']:.0f} tok/s"
-        )
+        info = self._info(record)
         if self._live is not None:
             self._live.update(self._task, completed=step, info=info)
         else:
             print(f"step {step}/{self.total}  {info}  eta {_eta(eta)}", file=sys.stderr, flush=True)
+
+    def _info(self, record: dict[str, Any]) -> str:
+        val = f"  val {_loss_text(self.val_loss)}" if self._validated else ""
+        return (
+            f"loss {_loss_text(record['loss'])}{val}  lr {record['lr']:.2e}  {record['step_time_ms']:.0f} ms/step"
+            f"  {record['tokens_per_s']:.0f} tok/s"
+        )
+
+    def validation(self, record: dict[str, Any]) -> None:
+        """After an evaluation: one line ``step N validation loss L (S samples)``; from then on the
+        progress line shows ``val L`` after the training loss.
+
+        ``record`` is the validation record written to metrics.jsonl (``step``, ``loss``, ``samples``).
+        """
+        if not self.enabled:
+            return
+        loss = record.get("loss")
+        self.val_loss = None if loss is None else float(loss)
+        self._validated = True
+        text = f"step {record['step']} validation loss {_loss_text(self.val_loss)}"
+        if record.get("samples") is not None:
+            text += f" ({record['samples']} samples)"
+        if self._live is not None:
+            self._live.console.print(text)
+            if self._last is not None:
+                self._live.update(self._task, info=self._info(self._last))
+        else:
+            print(text, file=sys.stderr, flush=True)
 
     def message(self, text: str) -> None:
         if not self.enabled:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import random
 import time
@@ -22,13 +23,14 @@ from torch.distributed.checkpoint.state_dict import (
 
 from magistral_cli.config.schema import Recipe
 from magistral_cli.errors import CheckFailed, UserError
-from magistral_cli.launch.identity import record_resolved
 from magistral_cli.ops.attention import resolve_attention, validate_right_padding
 from magistral_cli.ops.context_parallel import check_cp_model, check_cp_recipe, cp_groups_from_mesh
+from magistral_cli.run_record import record_resolved
 from magistral_cli.runtime import device_module, init_distributed, resolve_device_type
 
 from . import checkpoint as ckpt
-from .data import DataSource, build_data
+from . import lora as lora_mod
+from .data import DataSource, build_data, build_val_data
 from .metrics import MetricsFile, Progress, memory_stats, write_summary
 from .model import build_model, install_loss_head, load_model_config, loss_head_sum
 from .optim import build_optimizer, clip_grads_, grad_norm_and_sums, lr_at
@@ -84,11 +86,11 @@ class Trainer:
     group read the same micro-batches), and the decoder runs on each rank's part of the
     sequence (``ops.context_parallel``); losses, token counts and the gradient equal CP=1's.
 
-    ``data`` replaces the recipe's data source (tests pass ``SyntheticBatches``); everything
-    else comes from the recipe.
+    ``data`` replaces the recipe's data source (tests pass ``SyntheticBatches``), ``val_data``
+    its validation split (``build_val_data``); everything else comes from the recipe.
     """
 
-    def __init__(self, recipe: Recipe, *, data: DataSource | None = None):
+    def __init__(self, recipe: Recipe, *, data: DataSource | None = None, val_data=None):
         self.recipe = recipe
         training = recipe.training
         self.started = time.monotonic()
@@ -131,6 +133,8 @@ class Trainer:
 
         self.model = self._build_model()
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        if self.rank == 0:
+            self._log_parameter_counts()
         self.optimizer = build_optimizer(self.model, training, self.device_type)
         if self.rank == 0:
             # Choices only the device can make, next to the launcher's record of the run.
@@ -143,6 +147,20 @@ class Trainer:
             if data is not None
             else build_data(recipe, dp_rank=self.dp_rank, dp_size=self.dims.dp, vocab_size=vocab)
         )
+        # The validation split (data.dataset_param.basic_parameters.val_size), or None.
+        self.val_data = (
+            val_data
+            if val_data is not None
+            else build_val_data(
+                recipe,
+                dp_rank=self.dp_rank,
+                dp_size=self.dims.dp,
+                vocab_size=vocab,
+                # the encoded dataset the training loader reads (no second cache lookup)
+                dataset=getattr(getattr(self.data, "dataset", None), "encoded", None),
+            )
+        )
+        self.val_records: list[dict[str, Any]] = []
         self._load_initial_state()
         self._data_iter = iter(self.data)
 
@@ -167,6 +185,8 @@ class Trainer:
         )
         chunk = features.chunkloss_plan.chunk_size if features.enable_chunk_loss else None
         install_loss_head(model, features.chunkloss_plan.apply_module, chunk)
+        # LoRA (model.lora): PEFT's layers in place, the base frozen, before anything wraps a module.
+        self.lora = lora_mod.apply_lora_from_recipe(model, recipe)
         done = parallelize_model(
             model,
             recipe,
@@ -175,6 +195,7 @@ class Trainer:
             mesh=self.meshes.dp_cp,
             cp_groups=self.cp_groups,
             loss_fn=loss_head_sum,
+            lora=self.lora,
         )
         self.frozen = done.frozen
         log.info(
@@ -187,8 +208,38 @@ class Trainer:
         )
         return model
 
+    def _log_parameter_counts(self) -> None:
+        """Trainable and total parameters (a tied head counted once), as the launch shows them."""
+        seen: set[int] = set()
+        total = trainable = 0
+        for param in self.model.parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            total += param.numel()
+            trainable += param.numel() if param.requires_grad else 0
+        what = (
+            f"LoRA r={self.lora.spec.r} on {len(self.lora.targets.modules)} Linear layers"
+            if self.lora is not None
+            else "full fine-tuning"
+        )
+        log.info(
+            "trainable parameters: %s of %s (%.2f%%; %s)",
+            f"{trainable:,}",
+            f"{total:,}",
+            100.0 * trainable / max(total, 1),
+            what,
+        )
+
     def _load_initial_state(self) -> None:
-        """Resume from a training checkpoint, or load ``training.load`` weights (in that order)."""
+        """Resume from a training checkpoint, or load ``training.load`` weights (in that order).
+
+        A LoRA run's checkpoints hold the adapters only: its base always comes from
+        ``training.load`` first, then a resume replaces the adapters, their optimizer state and
+        the rest.
+        """
+        if self.lora is not None:
+            return self._load_lora_initial_state()
         training = self.recipe.training
         if self.rank == 0 and self.save_dir is not None:
             for stale in ckpt.remove_stale_temporaries(self.save_dir):
@@ -215,6 +266,38 @@ class Trainer:
             self.load_state_dict(resume)
             log.info("resumed from %s at step %d", resume, self.step)
             return
+        self._load_base_weights()
+
+    def _load_lora_initial_state(self) -> None:
+        """LoRA: the base from ``training.load`` (never a LoRA checkpoint), then resume the adapters."""
+        training = self.recipe.training
+        if self.rank == 0 and self.save_dir is not None:
+            for stale in ckpt.remove_stale_temporaries(self.save_dir):
+                log.warning("removed %s, left by an interrupted checkpoint save", stale)
+        if training.load and training.load_format != "hf":
+            path = Path(training.load)
+            if ckpt.is_training_checkpoint(path) and lora_mod.read_checkpoint_record(path) is not None:
+                raise UserError(
+                    f"training.load {path} is a LoRA training checkpoint (adapters only), not base weights; "
+                    "set training.load to the base model and training.save to that run's checkpoint "
+                    "directory to resume it (training.resume: auto), or export it first with "
+                    "`magistral convert dcp-to-hf --lora merged --merge`"
+                )
+        resume = None
+        if self.save_dir is None:
+            pass
+        elif training.resume == "auto":
+            resume = self._choose(self.save_dir, what="resume")
+        else:
+            ckpt.refuse_fresh_start(self.save_dir)
+        self._load_base_weights()
+        if resume is not None:
+            self.load_state_dict(resume)
+            log.info("resumed the LoRA adapters from %s at step %d", resume, self.step)
+
+    def _load_base_weights(self) -> None:
+        """``training.load`` into the model (for a LoRA model: the base, adapters left as initialised)."""
+        training = self.recipe.training
         if training.load:
             report = load_weights(self.model, training.load, training.load_format, training.load_strict)
             if report.missing or report.unexpected:
@@ -268,7 +351,10 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint: model, optimizer, scheduler, RNG (per rank), data loader (per dp rank), step."""
         training = self.recipe.training
-        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        state: dict[str, Any] = {"model": self._model_state()}
+        if self.lora is not None:
+            # The adapters' settings, for `magistral convert dcp-to-hf --lora` and resume checks.
+            state.update(lora_mod.checkpoint_entry(self.lora, self.recipe.model.model_name_or_path))
         if not training.no_save_optim:
             state["optimizer"] = {"state": get_optimizer_state_dict(self.model, self.optimizer)["state"]}
         state["scheduler"] = {"last_step": torch.tensor(self.step, dtype=torch.int64)}
@@ -286,10 +372,11 @@ class Trainer:
 
         training = self.recipe.training
         keys = set(SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata)
-        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        self._check_lora_checkpoint(path, keys)
+        state: dict[str, Any] = {"model": self._model_state()}
         missing = sorted(f"model.{k}" for k in state["model"] if f"model.{k}" not in keys)
         if missing:
-            raise UserError(f"checkpoint {path} lacks model keys: {', '.join(missing)}")
+            raise UserError(f"checkpoint {path} lacks model keys: {', '.join(missing[:10])}")
         optim_sd = None
         if not training.no_load_optim and any(k.startswith("optimizer.") for k in keys):
             optim_sd = get_optimizer_state_dict(self.model, self.optimizer)
@@ -309,7 +396,10 @@ class Trainer:
 
             raise _unwrap(exc, path) from None
 
-        set_model_state_dict(self.model, state["model"])
+        if self.lora is not None:
+            lora_mod.load_adapter_state_dict(self.model, state["model"])
+        else:
+            set_model_state_dict(self.model, state["model"])
         if optim_sd is not None:
             set_optimizer_state_dict(
                 self.model,
@@ -329,6 +419,39 @@ class Trainer:
                 "checkpoint %s has no data-loader state for dp rank %d; data restarts", path, self.dp_rank
             )
         self.step = int(state["step"])
+
+    def _model_state(self) -> dict[str, Any]:
+        """The model part of a checkpoint: every tensor, or for LoRA the trainable ones only."""
+        if self.lora is not None:
+            return lora_mod.adapter_state_dict(self.model)
+        return get_model_state_dict(self.model)
+
+    def _check_lora_checkpoint(self, path: Path, keys: set[str]) -> None:
+        """A LoRA run resumes only a LoRA checkpoint of the same settings, and a full run no LoRA one."""
+        entry = f"{lora_mod.CHECKPOINT_ENTRY}.config"
+        if self.lora is None:
+            if entry in keys:
+                raise UserError(
+                    f"checkpoint {path} is a LoRA checkpoint (adapters only) but this recipe has no model.lora; "
+                    "resume it with its LoRA recipe, or point training.save at another directory"
+                )
+            return
+        if entry not in keys:
+            raise UserError(
+                f"checkpoint {path} is a full training checkpoint but this recipe trains LoRA adapters "
+                "(model.lora); point training.save at a new directory, or use it as the base with training.load"
+            )
+        saved = lora_mod.read_checkpoint_record(path) or {}
+        mine = self.lora.to_record(self.recipe.model.model_name_or_path)
+        differ = [
+            k for k in ("r", "alpha", "target_modules", "modules_to_save") if saved.get(k) != mine.get(k)
+        ]
+        if differ:
+            raise UserError(
+                f"checkpoint {path} was trained with other model.lora settings ({', '.join(differ)}: "
+                + "; ".join(f"{k} {saved.get(k)!r} there, {mine.get(k)!r} here" for k in differ[:2])
+                + "); resume with the settings it was trained with, or point training.save at a new directory"
+            )
 
     def save(self) -> Path:
         if self.save_dir is None:
@@ -480,6 +603,63 @@ class Trainer:
         out.update(self.optimizer_step(out["objective"]))
         return out
 
+    def evaluate(self) -> dict[str, Any] | None:
+        """The mean validation loss over the whole split at this step (None without a split).
+
+        The loss definition is training's (``features.loss_cfg.loss_type``) over the split:
+        ``per_token_loss`` the summed token losses over all targets, ``default`` the mean of the
+        micro-batches' token means, ``per_sample_loss`` the mean of the samples' token means. Every
+        dp rank runs its share (the same number of forwards; filler micro-batches carry no targets)
+        and the sums are all-reduced over dp; the ranks of a CP group compute the same sums. No
+        gradient, dropout off, and the RNG states are restored afterwards: the training that follows
+        is exactly what it would have been without the evaluation.
+        """
+        if self.val_data is None:
+            return None
+        saved_rng = rng_state(self.device_type)
+        was_training = self.model.training
+        self.model.eval()
+        sums = torch.zeros(3, dtype=torch.float32, device=self.device)  # numerator, denominator, targets
+        try:
+            with torch.no_grad():
+                for mb in self.val_data:
+                    validate_right_padding(mb["attention_mask"])
+                    per_sample = (mb["labels"][:, 1:] != -100).sum(dim=1)
+                    targets = int(per_sample.sum())
+                    batch = _to_device(mb, self.device)
+                    if self.loss_type == "per_sample_loss":
+                        weights = torch.where(per_sample > 0, 1.0 / per_sample.clamp(min=1).float(), 0.0)
+                        batch["sample_weights"] = weights.to(self.device)
+                    if self.cp_groups is None:
+                        loss = self.model(**batch)
+                    else:
+                        loss = self.model(**batch, num_items_in_batch=1).loss
+                    if not targets:
+                        continue  # a filler: the forward ran for FSDP's collectives, nothing to count
+                    loss = loss.detach().float()
+                    if self.loss_type == "per_token_loss":
+                        part = torch.stack([loss, loss.new_tensor(float(targets))])
+                    elif self.loss_type == "default":
+                        part = torch.stack([loss / targets, loss.new_tensor(1.0)])
+                    else:  # per_sample_loss: the weighted sum is the sum of the sample means
+                        part = torch.stack([loss, loss.new_tensor(float((per_sample > 0).sum()))])
+                    sums[:2] += part
+                    sums[2] += targets
+        finally:
+            self.model.train(was_training)
+            set_rng_state(saved_rng, self.device_type)
+        dist.all_reduce(sums, group=self.dp_group)
+        numerator, denominator, targets = sums.tolist()
+        record = {
+            "step": self.step,
+            "split": "val",
+            "loss": numerator / denominator if denominator else float("nan"),
+            "samples": int(getattr(self.val_data, "num_samples", 0)) or None,
+            "targets": int(targets),
+        }
+        self.val_records.append(record)
+        return record
+
     def logged_loss(self, global_objective: float, targets: int) -> float:
         """The step's loss from the objectives summed over the dp ranks (MindSpeed-MM's logged value)."""
         if self.loss_type == "per_token_loss":
@@ -507,7 +687,12 @@ class Trainer:
         """Train to ``training.train_iters`` (or ``max_steps`` more steps); return the logged records."""
         training, tools = self.recipe.training, self.recipe.tools
         is_rank0 = self.rank == 0
-        metrics = MetricsFile(self.run_dir / "metrics.jsonl", resume_step=self.step) if is_rank0 else None
+        # tools.logger (TensorBoard / W&B) sinks get every line, from rank 0 only.
+        metrics = (
+            MetricsFile(self.run_dir / "metrics.jsonl", resume_step=self.step, recipe=self.recipe)
+            if is_rank0
+            else None
+        )
         if metrics is not None and metrics.moved_aside is not None:
             log.warning("metrics.jsonl lines after step %d moved to %s", self.step, metrics.moved_aside)
         progress = Progress(training.train_iters, self.step, enabled=is_rank0)
@@ -515,7 +700,7 @@ class Trainer:
         mem_profiler = MemoryProfiler(tools.memory_profile, self.run_dir, self.rank, self.device_type)
         stop = training.train_iters if max_steps is None else min(training.train_iters, self.step + max_steps)
         records: list[dict[str, Any]] = []
-        last_saved = self.step
+        last_saved = last_evaluated = self.step
         try:
             interval_start, interval_steps = time.perf_counter(), 0
             while self.step < stop:
@@ -537,6 +722,13 @@ class Trainer:
                     progress.update(record)
                     interval_start, interval_steps = time.perf_counter(), 0
                 if (
+                    self.val_data is not None
+                    and training.eval_interval
+                    and step % training.eval_interval == 0
+                ):
+                    self._validate(metrics, progress)
+                    last_evaluated = step
+                if (
                     self.save_dir is not None
                     and training.save_interval
                     and step % training.save_interval == 0
@@ -548,6 +740,12 @@ class Trainer:
                     gc.collect()
                 mem_profiler.after_step(step)
                 profiler.after_step(step)
+            if (
+                self.val_data is not None
+                and self.step == training.train_iters
+                and last_evaluated != self.step
+            ):
+                self._validate(metrics, progress)  # the end of training: always one evaluation
             if (
                 self.save_dir is not None
                 and training.save_interval
@@ -561,6 +759,16 @@ class Trainer:
             if metrics is not None:
                 metrics.close()
         return records
+
+    def _validate(self, metrics: MetricsFile | None, progress: Progress) -> None:
+        record = self.evaluate()
+        if record is None:
+            return
+        if metrics is not None:
+            metrics.write(record)
+        progress.validation(record)
+        if self.rank == 0 and not math.isfinite(record["loss"]):
+            log.warning("step %d: the validation loss is not finite", self.step)
 
     def close(self, exit_status: int = 0) -> None:
         """Write summary.json (rank 0) and leave the process group if this trainer joined it."""

@@ -188,9 +188,10 @@ def _memory_plan(
 
 def checkpoint_bytes(recipe: Recipe, memory) -> int:
     """The size of one training checkpoint: fp32 parameters, AdamW's two fp32 moments (unless
-    ``no_save_optim``); the RNG and data-loader entries are a few KiB."""
+    ``no_save_optim``); the RNG and data-loader entries are a few KiB. A LoRA checkpoint holds
+    the trainable tensors only (the plan's ``checkpointed`` count), not the frozen base."""
     counts = memory.parameters
-    size = 4 * counts["total"]
+    size = 4 * counts.get("checkpointed", counts["total"])
     if not recipe.training.no_save_optim:
         size += 8 * counts["trainable"]
     return size
@@ -296,8 +297,13 @@ def build_command(plan_args: LaunchOptions, nproc: int, run_dir: Path) -> list[s
     return cmd
 
 
-def plan_launch(recipe_path: str | Path, overrides: list[str], options: LaunchOptions) -> LaunchPlan:
-    """Resolve the recipe and write the run directory; raise UserError on bad input."""
+def plan_launch(
+    recipe_path: str | Path, overrides: list[str], options: LaunchOptions, *, progress=None
+) -> LaunchPlan:
+    """Resolve the recipe and write the run directory; raise UserError on bad input.
+
+    ``progress(done_rows, total_rows)`` (``data.pipeline.ProgressFn``) follows the dataset
+    encoding a real launch does before the ranks start (the CLI passes a rich bar)."""
     recipe_path = Path(recipe_path)
     recipe = load_recipe(recipe_path, overrides)
     warnings: list[str] = []
@@ -328,6 +334,9 @@ def plan_launch(recipe_path: str | Path, overrides: list[str], options: LaunchOp
     except ValueError as exc:
         raise UserError(f"recipe {recipe_path}: {exc}") from None
     _check_paths(recipe, warnings, options.dry_run)
+    from magistral_cli.engine.loggers import check_logger_available
+
+    check_logger_available(recipe)  # tools.logger's package, before any rank starts
     # Pre-flight in this process, before any rank starts: config.json, the tying rule and every
     # module pattern against the meta model (the memory plan builds it), then the save directory.
     detected = warning is None and count is not None
@@ -341,7 +350,7 @@ def plan_launch(recipe_path: str | Path, overrides: list[str], options: LaunchOp
     recipe.parallel.nproc_per_node = nproc
     lock = RunLock(run_dir, options.node_rank).acquire()
     try:
-        plan = _write_run_dir(recipe, recipe_path, overrides, options, run_dir, memory, warnings)
+        plan = _write_run_dir(recipe, recipe_path, overrides, options, run_dir, memory, warnings, progress)
         plan.device, plan.nproc_per_node, plan.world_size = device, nproc, world_size
     except BaseException:
         lock.release()
@@ -353,7 +362,9 @@ def plan_launch(recipe_path: str | Path, overrides: list[str], options: LaunchOp
     return plan
 
 
-def _write_run_dir(recipe, recipe_path, overrides, options, run_dir, memory, warnings) -> LaunchPlan:
+def _write_run_dir(
+    recipe, recipe_path, overrides, options, run_dir, memory, warnings, progress=None
+) -> LaunchPlan:
     """Check the save directory, write resolved_config.yaml and run_identity.json, encode the data."""
     device, nproc = recipe.parallel.device, recipe.parallel.nproc_per_node
     world_size = nproc * options.nnodes
@@ -392,9 +403,10 @@ def _write_run_dir(recipe, recipe_path, overrides, options, run_dir, memory, war
     if not options.dry_run and recipe.data.dataset_param.dataset_type != "synthetic":
         # Encode (or find the cache) here, once, so that no rank waits in a barrier while
         # rank 0 encodes: a long encode would outlast the collective timeout.
-        from magistral_cli.data.loader import prepare_dataset
+        from magistral_cli.data.loader import dataset_split, prepare_dataset
 
-        prepare_dataset(recipe, show_progress=True)
+        dataset = prepare_dataset(recipe, progress=progress)
+        dataset_split(recipe, dataset)  # a val_size that leaves no training sample stops here
     return LaunchPlan(
         recipe=recipe,
         recipe_path=recipe_path,

@@ -197,6 +197,7 @@ def test_describe(tmp_path):
         "first_step": 3,
         "last_step": 5,
         "duplicate_steps": [],
+        "validation_steps_logged": 0,
     }
     assert json.dumps(run.describe())
 

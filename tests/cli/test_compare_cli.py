@@ -60,9 +60,10 @@ def test_pass_with_json_shape(runs):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)  # stdout holds the JSON object and nothing else
     assert list(report) == [
-        "baseline", "candidate", "steps_compared", "criteria", "loss", "step_time_ms", "memory_mib",
-        "alloc_retries", "wall_s", "warnings", "failures", "pass",
+        "baseline", "candidate", "steps_compared", "criteria", "loss", "step_time_ms", "validation",
+        "memory_mib", "alloc_retries", "wall_s", "warnings", "failures", "pass",
     ]  # fmt: skip
+    assert report["validation"] is None  # neither run logged validation losses
     assert set(report["loss"]) >= {
         "normalized_mean_abs_diff", "relative_error_mean", "relative_error_max",
         "relative_error_max_step", "threshold", "pass",

@@ -7,18 +7,16 @@ import sys
 import textwrap
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
 from magistral_cli import __version__
 from magistral_cli.cli.main import app
-from magistral_cli.cli.pending import register_pending
 
 runner = CliRunner()
-SUBCOMMANDS = ["fetch", "convert", "preprocess", "train", "compare", "probe", "quickstart"]
+SUBCOMMANDS = ["fetch", "convert", "preprocess", "train", "compare", "generate", "probe", "quickstart"]
 
 
-def test_help_lists_the_seven_subcommands_in_workflow_order():
+def test_help_lists_the_subcommands_in_workflow_order():
     result = runner.invoke(app, ["--help"])
     assert result.exit_code == 0
     positions = [result.output.find(f" {name} ") for name in SUBCOMMANDS]
@@ -84,19 +82,3 @@ def test_env_debug_shows_the_traceback(tmp_path):
         env={**__import__("os").environ, "MAGISTRAL_DEBUG": "1"},
     )
     assert out.returncode != 0 and "Traceback" in out.stderr
-
-
-def test_pending_command_says_so_and_exits_2():
-    sub = typer.Typer()
-
-    @sub.callback()
-    def _root() -> None:
-        pass
-
-    register_pending(sub, "later", "Something later.", "it is planned")
-    from magistral_cli.cli.main import _Group
-
-    sub.info.cls = _Group
-    result = runner.invoke(sub, ["later", "--anything", "x"])
-    assert result.exit_code == 2
-    assert "not available in this version yet: it is planned" in result.output

@@ -45,7 +45,7 @@ def tiny_model():
 
 @pytest.fixture(scope="module")
 def encoded(recipe_for):
-    return prepare_dataset(recipe_for(), show_progress=False)
+    return prepare_dataset(recipe_for())
 
 
 def _image_blocks(ids: torch.Tensor, img=10, img_break=12, img_end=13) -> list[tuple[int, int]]:
@@ -83,7 +83,7 @@ def _check_batch(batch, micro_batch):
 
 
 def test_prepare_dataset_is_idempotent(recipe_for, encoded):
-    again = prepare_dataset(recipe_for(), show_progress=False)
+    again = prepare_dataset(recipe_for())
     assert again.reused and again.path == encoded.path and len(again) == 40
 
 
@@ -122,7 +122,7 @@ def test_transformers_grid_runs_through_a_real_mistral3(
         training={"micro_batch_size": 4},
         loader={"shuffle": False},
     )
-    seed_grid = prepare_dataset(recipe, show_progress=False)
+    seed_grid = prepare_dataset(recipe)
     default = prepare_dataset(
         make_recipe(model_dir, broken_dataset, cache_dir, pre={"image_max_pixels": 50176})
     )
@@ -186,9 +186,7 @@ def test_packing_restarts_positions_and_never_trains_across_samples(recipe_for, 
     assert torch.isfinite(out.loss)
 
 
-def test_neat_packing_and_unknown_options_are_refused(recipe_for, encoded):
-    with pytest.raises(UserError, match="neat_packing"):
-        build_train_dataloader(recipe_for(basic={"neat_packing": True}), encoded, dp_rank=0, dp_size=1)
+def test_unknown_options_are_refused(recipe_for, encoded):
     with pytest.raises(UserError, match="collator_id"):
         build_train_dataloader(
             recipe_for(loader={"collate_param": {"collator_id": "qwen2vl"}}), encoded, dp_rank=0, dp_size=1

@@ -12,6 +12,11 @@ from magistral_cli.cli.main import app
 
 
 @pytest.mark.slow
+def _steps(run_dir: Path, split: str = "train") -> list[int]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    return [x["step"] for x in lines if x.get("split", "train") == split]
+
+
 def test_quickstart_runs_the_whole_workflow(tmp_path):
     result = CliRunner().invoke(
         app, ["quickstart", "--workdir", str(tmp_path), "--steps", "4", "--no-probes", "--json"]
@@ -19,7 +24,17 @@ def test_quickstart_runs_the_whole_workflow(tmp_path):
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     names = [step["name"] for step in summary["steps"]]
-    assert names == ["assets", "convert", "preprocess", "train", "resume", "optimized", "export", "compare"]
+    assert names == [
+        "assets",
+        "convert",
+        "preprocess",
+        "train",
+        "resume",
+        "optimized",
+        "export",
+        "lora",
+        "compare",
+    ]
     assert summary["pass"] is True
     by_name = {step["name"]: step for step in summary["steps"]}
     assert by_name["compare"]["verdict"] == "PASS"
@@ -27,11 +42,20 @@ def test_quickstart_runs_the_whole_workflow(tmp_path):
     assert by_name["preprocess"]["kept"] > 0 and by_name["preprocess"]["cache_reused"] is False
     train = Path(summary["runs"]["train"])
     assert (train / "checkpoints" / "latest").read_text().strip().endswith("step_4")
-    resumed = [
-        json.loads(line)["step"] for line in (Path(summary["runs"]["resumed"]) / "metrics.jsonl").open()
-    ]
+    resumed = _steps(Path(summary["runs"]["resumed"]))
     assert resumed == [3, 4]
+    # The validation split (8 samples) is evaluated half-way and at the end, in its own records.
+    assert _steps(train, split="val") == [2, 4]
+    assert _steps(train) == [1, 2, 3, 4]
+    assert by_name["compare"]["validation_steps"] == [2, 4]
+    assert Path(by_name["compare"]["plot"]).stat().st_size > 0
     assert (Path(summary["export"]) / "model.safetensors.index.json").is_file()
+    lora = by_name["lora"]
+    assert (Path(lora["adapters"]) / "adapter_model.safetensors").is_file()
+    assert (Path(lora["adapters"]) / "adapter_config.json").is_file()
+    assert (Path(lora["merged"]) / "model.safetensors.index.json").is_file()
+    assert _steps(Path(lora["resumed"])) == [3, 4]
+    assert lora["max_logit_diff"] < 0.05  # the merged weights are rounded to the base's bf16
 
     # A second quickstart in the same workdir reuses the model, the data and the preprocessing cache.
     again = CliRunner().invoke(
