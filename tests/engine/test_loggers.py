@@ -4,7 +4,6 @@ TensorBoard event file (tensorboard's EventAccumulator) and a real offline W&B r
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import struct
@@ -242,18 +241,6 @@ def test_missing_packages_name_the_extra_to_install(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- end to end
 
 
-def _trainer_passes_the_recipe() -> bool:
-    from magistral_cli.engine.trainer import Trainer
-
-    return "recipe=self.recipe" in inspect.getsource(Trainer.train)
-
-
-needs_wiring = pytest.mark.skipif(
-    not _trainer_passes_the_recipe(),
-    reason="Trainer.train does not pass recipe=self.recipe to MetricsFile yet",
-)
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-model")
@@ -272,18 +259,22 @@ def _train_rank(rank: int, model_dir: str, run_dir: str, overrides: list[str]) -
 
 
 @pytest.mark.slow
-@needs_wiring
 def test_two_rank_training_logs_to_tensorboard_from_rank_0(tiny_model, tmp_path):
     from magistral_cli.runtime import spawn_ranks
 
     run_dir = tmp_path / "run"
-    steps = spawn_ranks(
-        _train_rank, 2, (str(tiny_model), str(run_dir), ["tools.logger=tensorboard"]), threads=1
-    )
+    # With a validation split evaluated at step 2 and at the end: its losses go to TensorBoard too.
+    overrides = [
+        "tools.logger=tensorboard",
+        "data.dataset_param.basic_parameters.val_size=4",
+        "training.eval_interval=2",
+    ]
+    steps = spawn_ranks(_train_rank, 2, (str(tiny_model), str(run_dir), overrides), threads=1)
     assert steps == [3, 3]
     assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1  # rank 0's only
     lines = _lines(run_dir)
-    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert [line["step"] for line in lines if "split" not in line] == [1, 2, 3]
+    assert [line["step"] for line in lines if line.get("split") == "val"] == [2, 3]
     acc, got = _event_scalars(run_dir / "tensorboard")
     _assert_same(got, _expected_scalars(lines))
     recipe = yaml.safe_load("\n".join(line[4:] for line in _recipe_text(acc).splitlines()))
@@ -291,7 +282,6 @@ def test_two_rank_training_logs_to_tensorboard_from_rank_0(tiny_model, tmp_path)
 
 
 @pytest.mark.slow
-@needs_wiring
 def test_training_logs_to_wandb_offline(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     assert _train_rank(0, str(tiny_model), str(run_dir), ["tools.logger=wandb"]) == 3
