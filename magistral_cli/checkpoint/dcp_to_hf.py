@@ -396,6 +396,22 @@ def _unwrap(exc, checkpoint_dir: Path) -> BaseException:
     return CheckFailed(f"reading the DCP checkpoint {checkpoint_dir} failed: {first!r}")
 
 
+def load_in_process(state: dict, checkpoint_dir: Path) -> None:
+    """``dcp.load`` of ``state`` from ``checkpoint_dir`` in this process (no process group),
+    through the restricted reader; a failure is one message naming the checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from .safe_dcp import SafeFileSystemReader
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed.*")
+        try:
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(checkpoint_dir)), no_dist=True)
+        except CheckpointException as exc:
+            raise _unwrap(exc, checkpoint_dir) from None
+
+
 def _check_model_tensors(checkpoint_dir: Path, model_dir: Path, allow_dtype_mismatch: bool):
     """(metadata, shapes, expected model keys, DCP layout) of a checkpoint whose model tensors fit
     ``model_dir``'s config.json: every key present, shapes and dtypes right (``CheckFailed`` if not)."""
@@ -444,10 +460,6 @@ def read_dcp_model_state(
     each tensor is allocated on the CPU in the checkpoint's dtype.
     """
     import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from .safe_dcp import SafeFileSystemReader
 
     model_dir = require_model_dir(model_dir)
     checkpoint_dir = resolve_dcp_checkpoint(dcp_dir)
@@ -460,12 +472,7 @@ def read_dcp_model_state(
             state[prefix + key] = into[key]
         else:
             state[prefix + key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed.*")
-        try:
-            dcp.load(state, storage_reader=SafeFileSystemReader(str(checkpoint_dir)), no_dist=True)
-        except CheckpointException as exc:
-            raise _unwrap(exc, checkpoint_dir) from None
+    load_in_process(state, checkpoint_dir)
     return checkpoint_dir, dcp_layout, {k[len(prefix) :]: v for k, v in state.items()}
 
 

@@ -26,7 +26,6 @@ import os
 import shutil
 import struct
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -144,12 +143,9 @@ def read_lora_checkpoint(dcp_dir: str | Path) -> LoraCheckpoint:
     """The adapters, modules to save and LoRA settings of a training checkpoint (all read into memory:
     at 24B with r = 16 the adapters are 370 MB in fp32)."""
     import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
 
-    from .dcp_to_hf import _unwrap
+    from .dcp_to_hf import load_in_process
     from .lora_format import is_adapter_key, read_checkpoint_record
-    from .safe_dcp import SafeFileSystemReader
 
     checkpoint_dir = resolve_dcp_checkpoint(dcp_dir)
     metadata = read_dcp_metadata(checkpoint_dir)
@@ -196,12 +192,7 @@ def read_lora_checkpoint(dcp_dir: str | Path) -> LoraCheckpoint:
         MODEL_PREFIX + k: torch.empty(tuple(model_keys[k].size), dtype=model_keys[k].properties.dtype)
         for k in adapter_keys + saved_keys
     }
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed.*")
-        try:
-            dcp.load(state, storage_reader=SafeFileSystemReader(str(checkpoint_dir)), no_dist=True)
-        except CheckpointException as exc:
-            raise _unwrap(exc, checkpoint_dir) from None
+    load_in_process(state, checkpoint_dir)
     return LoraCheckpoint(
         path=checkpoint_dir,
         r=r,

@@ -160,7 +160,6 @@ class Trainer:
                 dataset=getattr(getattr(self.data, "dataset", None), "encoded", None),
             )
         )
-        self.val_records: list[dict[str, Any]] = []
         self._load_initial_state()
         self._data_iter = iter(self.data)
 
@@ -235,46 +234,14 @@ class Trainer:
         """Resume from a training checkpoint, or load ``training.load`` weights (in that order).
 
         A LoRA run's checkpoints hold the adapters only: its base always comes from
-        ``training.load`` first, then a resume replaces the adapters, their optimizer state and
-        the rest.
+        ``training.load`` (never a LoRA checkpoint) first, then a resume replaces the adapters,
+        their optimizer state and the rest.
         """
-        if self.lora is not None:
-            return self._load_lora_initial_state()
         training = self.recipe.training
         if self.rank == 0 and self.save_dir is not None:
             for stale in ckpt.remove_stale_temporaries(self.save_dir):
                 log.warning("removed %s, left by an interrupted checkpoint save", stale)
-        resume = None
-        if self.save_dir is None:
-            pass  # nothing saved, nothing to resume from
-        elif training.resume == "auto":
-            resume = self._choose(self.save_dir, what="resume")
-        else:
-            ckpt.refuse_fresh_start(self.save_dir)
-        if resume is None and training.load and training.load_format != "hf":
-            path = Path(training.load)
-            if ckpt.is_training_checkpoint(path):
-                result = self._verify(path)
-                if not result.ok:
-                    raise CheckFailed(
-                        f"training.load {path} is a damaged checkpoint: " + "; ".join(result.problems[:5])
-                    )
-                resume = path
-            elif (found := ckpt.checkpoints_dir(path)) is not None:
-                resume = self._choose(found, what="training.load")
-        if resume is not None:
-            self.load_state_dict(resume)
-            log.info("resumed from %s at step %d", resume, self.step)
-            return
-        self._load_base_weights()
-
-    def _load_lora_initial_state(self) -> None:
-        """LoRA: the base from ``training.load`` (never a LoRA checkpoint), then resume the adapters."""
-        training = self.recipe.training
-        if self.rank == 0 and self.save_dir is not None:
-            for stale in ckpt.remove_stale_temporaries(self.save_dir):
-                log.warning("removed %s, left by an interrupted checkpoint save", stale)
-        if training.load and training.load_format != "hf":
+        if self.lora is not None and training.load and training.load_format != "hf":
             path = Path(training.load)
             if ckpt.is_training_checkpoint(path) and lora_mod.read_checkpoint_record(path) is not None:
                 raise UserError(
@@ -285,15 +252,27 @@ class Trainer:
                 )
         resume = None
         if self.save_dir is None:
-            pass
+            pass  # nothing saved, nothing to resume from
         elif training.resume == "auto":
             resume = self._choose(self.save_dir, what="resume")
         else:
             ckpt.refuse_fresh_start(self.save_dir)
-        self._load_base_weights()
+        if self.lora is None and resume is None and training.load and training.load_format != "hf":
+            path = Path(training.load)
+            if ckpt.is_training_checkpoint(path):
+                result = self._verify(path)
+                if not result.ok:
+                    raise CheckFailed(
+                        f"training.load {path} is a damaged checkpoint: " + "; ".join(result.problems[:5])
+                    )
+                resume = path
+            elif (found := ckpt.checkpoints_dir(path)) is not None:
+                resume = self._choose(found, what="training.load")
+        if self.lora is not None or resume is None:
+            self._load_base_weights()
         if resume is not None:
             self.load_state_dict(resume)
-            log.info("resumed the LoRA adapters from %s at step %d", resume, self.step)
+            log.info("resumed from %s at step %d", resume, self.step)
 
     def _load_base_weights(self) -> None:
         """``training.load`` into the model (for a LoRA model: the base, adapters left as initialised)."""
@@ -657,7 +636,6 @@ class Trainer:
             "samples": int(getattr(self.val_data, "num_samples", 0)) or None,
             "targets": int(targets),
         }
-        self.val_records.append(record)
         return record
 
     def logged_loss(self, global_objective: float, targets: int) -> float:
