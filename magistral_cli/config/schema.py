@@ -351,7 +351,11 @@ class BasicParameters(Section):
     max_samples: Optional[int] = Field(None, ge=1, description="Use only the first N rows.")
     packing: bool = Field(False, description="Concatenate samples up to cutoff_len (causal across samples).")
     neat_packing: bool = Field(
-        False, description="Packing without cross-sample attention (not supported yet: must stay false)."
+        False,
+        description=(
+            "Packing in which each sample attends to its own tokens only (and packing: true by default); "
+            "the same on every device. Not with context parallelism."
+        ),
     )
     default_system: Optional[str] = Field(
         None,
@@ -417,17 +421,22 @@ class BasicParameters(Section):
             return int(value)  # LLaMA-Factory reads val_size > 1 as a count
         return 0 if value == 0 else value
 
-    @field_validator("neat_packing")
+    @model_validator(mode="before")
     @classmethod
-    def _no_neat_packing(cls, value):
-        # The one place neat_packing is refused: data, attention and context parallelism rely on it.
-        if value:
+    def _neat_packing_packs(cls, data):
+        # LLaMA-Factory's rule: neat_packing turns packing on (a neat pack is still a pack).
+        if isinstance(data, dict) and data.get("neat_packing") is True and "packing" not in data:
+            data = {**data, "packing": True}
+        return data
+
+    @model_validator(mode="after")
+    def _neat_packing_needs_packing(self):
+        if self.neat_packing and not self.packing:
             raise ValueError(
-                "neat_packing (packing in which each sample attends only to its own tokens, through a "
-                "per-sample attention mask) is not supported yet; set neat_packing: false (packing: true "
-                "still packs samples, with attention causal across the samples of a pack)"
+                "neat_packing: true with packing: false; neat_packing packs samples (each attending to "
+                "itself only): set packing: true, or neat_packing: false for no packing"
             )
-        return value
+        return self
 
 
 class DatasetParam(Section):
@@ -1018,6 +1027,17 @@ class Recipe(Section):
     features: Features = Field(default_factory=Features, description="Memory and speed features.")
     training: Training = Field(..., description="Optimization, checkpoints and logging.")
     tools: Tools = Field(default_factory=Tools, description="Profilers.")
+
+    @model_validator(mode="after")
+    def _neat_packing_without_cp(self):
+        if self.data.dataset_param.basic_parameters.neat_packing and self.parallel.cp_size > 1:
+            raise ValueError(
+                "data.dataset_param.basic_parameters.neat_packing with context parallelism "
+                f"(ulysses_parallel_size x ring_attention_size = {self.parallel.cp_size}): the Ulysses and Ring "
+                "attention are causal over the whole sequence and would let packed samples see each other; "
+                "set both CP sizes to 1, or use packing: true (causal across samples) with neat_packing: false"
+            )
+        return self
 
     @model_validator(mode="after")
     def _eval_needs_a_split(self):

@@ -9,7 +9,11 @@ Each item is a dict from :class:`magistral_cli.data.loader.TrainDataset`: ``inpu
   sample; padding continues counting so that it never looks like a new sequence);
 - ``pixel_values`` [N, 3, H_max, W_max] zero-padded at the bottom/right like the Pixtral
   processor does, and ``image_sizes`` [N, 2] (height, width), images in the order their
-  ``[IMG]`` blocks appear in the flattened batch; both absent when the batch has no image.
+  ``[IMG]`` blocks appear in the flattened batch; both absent when the batch has no image;
+- with ``segments`` (packing), ``cu_seqlens`` [S + 1] int32: the attention segments over the
+  flattened [B * L] tokens (``ops.packed_attention``). ``"samples"`` (neat_packing): each sample
+  of a pack is a segment (an item's ``sample_lengths``); ``"rows"`` (plain packing): a row's real
+  tokens are one segment. A row's padding is always a segment of its own.
 """
 
 from __future__ import annotations
@@ -20,12 +24,21 @@ import torch
 from .encoder import IGNORE_INDEX
 
 COLLATORS = ("pixtral",)
+#: what an attention segment is in a packed batch (None: no segments, plain causal rows)
+SEGMENT_MODES = (None, "rows", "samples")
 
 
 class PixtralCollator:
     def __init__(
-        self, pad_token_id: int, ignore_pad_token_for_loss: bool = True, pad_to_multiple_of: int = 1
+        self,
+        pad_token_id: int,
+        ignore_pad_token_for_loss: bool = True,
+        pad_to_multiple_of: int = 1,
+        segments: str | None = None,
     ):
+        if segments not in SEGMENT_MODES:
+            raise ValueError(f"segments must be one of {SEGMENT_MODES}, got {segments!r}")
+        self.segments = segments
         self.pad_token_id = int(pad_token_id)
         self.label_pad = IGNORE_INDEX if ignore_pad_token_for_loss else int(pad_token_id)
         self.pad_to_multiple_of = max(1, int(pad_to_multiple_of))
@@ -39,6 +52,7 @@ class PixtralCollator:
         attention = np.zeros((batch, length), dtype=np.int64)
         positions = np.tile(np.arange(length, dtype=np.int64), (batch, 1))
         images: list[np.ndarray] = []
+        ends: list[int] = []
         for row, item in enumerate(items):
             n = len(item["input_ids"])
             input_ids[row, :n] = item["input_ids"]
@@ -48,12 +62,25 @@ class PixtralCollator:
             positions[row, :n] = pos
             positions[row, n:] = np.arange(pos[-1] + 1, pos[-1] + 1 + length - n) if n else positions[row, n:]
             images.extend(item["pixel_values"])
+            if self.segments is not None:
+                start = row * length
+                lengths = item.get("sample_lengths", [n]) if self.segments == "samples" else [n]
+                if sum(int(x) for x in lengths) != n:
+                    raise ValueError(f"sample_lengths {list(lengths)} do not add up to the row's {n} tokens")
+                for size in lengths:
+                    if size:
+                        start += int(size)
+                        ends.append(start)
+                if n < length:
+                    ends.append((row + 1) * length)
         out = {
             "input_ids": torch.from_numpy(input_ids),
             "labels": torch.from_numpy(labels),
             "attention_mask": torch.from_numpy(attention),
             "position_ids": torch.from_numpy(positions),
         }
+        if self.segments is not None:
+            out["cu_seqlens"] = torch.tensor([0, *ends], dtype=torch.int32)
         if images:
             height = max(image.shape[1] for image in images)
             width = max(image.shape[2] for image in images)

@@ -31,7 +31,7 @@ from magistral_cli.errors import UserError
 
 from .cache import EncodedDataset
 from .collator import COLLATORS, IGNORE_INDEX, PixtralCollator
-from .packing import plan_packs
+from .packing import plan_packs, segment_mode
 from .pixtral import ImageSettings, load_pixel_values
 from .samplers import SAMPLER_TYPES, build_sampler
 
@@ -100,8 +100,10 @@ def dataset_split(recipe, dataset: EncodedDataset) -> tuple[list[int], list[int]
 class TrainDataset:
     """Map-style dataset over cached samples (or packs of them) that loads their images.
 
-    Item ``i`` is a dict of numpy arrays (``input_ids``, ``labels``, ``position_ids``) and
-    ``pixel_values``, a list of [3, H, W] float32 arrays in ``[IMG]``-block order. ``packs``
+    Item ``i`` is a dict of numpy arrays (``input_ids``, ``labels``, ``position_ids``,
+    ``sample_lengths``: the token count of each sample in it) and ``pixel_values``, a list of
+    [3, H, W] float32 arrays in ``[IMG]``-block order. A sample's first label is always ignored
+    (in a pack, the previous sample's last token must not predict it). ``packs``
     hold cache indices; ``indices`` (without packs) makes item ``i`` the cached sample
     ``indices[i]`` (the training samples of a validation split); neither: item ``i`` is sample ``i``.
     """
@@ -132,7 +134,9 @@ class TrainDataset:
         for member in members:
             sample = self.encoded[member]
             ids.append(sample.input_ids)
-            labels.append(sample.labels)
+            target = np.array(sample.labels, dtype=np.int64)
+            target[:1] = IGNORE_INDEX
+            labels.append(target)
             positions.append(np.arange(len(sample.input_ids), dtype=np.int64))
             for path, size in zip(sample.images, sample.image_sizes, strict=True):
                 pixels.append(
@@ -142,6 +146,7 @@ class TrainDataset:
             "input_ids": np.concatenate(ids).astype(np.int64),
             "labels": np.concatenate(labels).astype(np.int64),
             "position_ids": np.concatenate(positions),
+            "sample_lengths": np.array([len(x) for x in ids], dtype=np.int64),
             "pixel_values": pixels,
         }
 
@@ -166,11 +171,12 @@ def build_train_dataset(recipe, dataset: EncodedDataset) -> TrainDataset:
 
     basic = recipe.data.dataset_param.basic_parameters
     split = dataset_split(recipe, dataset)
+    packing = basic.packing or basic.neat_packing
     if split is None:
-        packs = plan_packs(dataset.lengths, basic.cutoff_len) if basic.packing else None
+        packs = plan_packs(dataset.lengths, basic.cutoff_len) if packing else None
         return TrainDataset(dataset, image_settings_of(dataset), packs)
     train = split[0]
-    if not basic.packing:
+    if not packing:
         return TrainDataset(dataset, image_settings_of(dataset), indices=train)
     planned = plan_packs(np.asarray(dataset.lengths)[train], basic.cutoff_len)
     packs = [[train[position] for position in pack] for pack in planned]
@@ -207,7 +213,11 @@ def build_train_dataloader(recipe, dataset: EncodedDataset, *, dp_rank: int, dp_
     except ValueError as exc:
         raise UserError(f"cannot batch the dataset {dataset.path}: {exc}") from None
     pad = int(dataset.meta["pad_token_id"])
-    collator = PixtralCollator(pad, ignore_pad_token_for_loss=dl.collate_param.ignore_pad_token_for_loss)
+    collator = PixtralCollator(
+        pad,
+        ignore_pad_token_for_loss=dl.collate_param.ignore_pad_token_for_loss,
+        segments=segment_mode(recipe),
+    )
     workers = dl.num_workers
     options = {}
     if workers:

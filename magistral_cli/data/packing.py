@@ -2,8 +2,14 @@
 
 Packs are planned from the cached sample lengths when the loader is built (so switching
 ``packing`` on or off does not re-encode anything). The plan is LLaMA-Factory's greedy
-knapsack, deterministic for given lengths. Position ids restart at 0 for every sample in a pack;
-attention stays causal across the samples of a pack (no isolation), as the seed documents.
+knapsack, deterministic for given lengths. Position ids restart at 0 for every sample in a pack,
+and a sample's first token is never a target, so the loss never crosses a sample boundary.
+
+Two modes, the same on every device (``segment_mode``; the attention is ``ops.packed_attention``):
+
+- ``packing: true``: attention is causal across the samples of a pack, as the seed documents;
+- ``neat_packing: true`` (which turns ``packing`` on): each sample attends to its own tokens only,
+  so a pack trains exactly like its samples one by one.
 """
 
 from __future__ import annotations
@@ -11,6 +17,16 @@ from __future__ import annotations
 import bisect
 
 import numpy as np
+
+
+def segment_mode(recipe) -> str | None:
+    """What an attention segment of a training batch is: ``"samples"`` (neat_packing), ``"rows"``
+    (plain packing) or None (no packing; or context parallelism, whose attention is causal over
+    the whole sequence, which is plain packing's meaning, and which refuses neat_packing)."""
+    basic = recipe.data.dataset_param.basic_parameters
+    if not (basic.packing or basic.neat_packing) or recipe.parallel.cp_size > 1:
+        return None
+    return "samples" if basic.neat_packing else "rows"
 
 
 def plan_packs(lengths: np.ndarray, capacity: int) -> list[list[int]]:

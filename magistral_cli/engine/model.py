@@ -27,6 +27,7 @@ from transformers import Mistral3ForConditionalGeneration
 from magistral_cli.errors import UserError
 from magistral_cli.model_config import apply_tying_rule, read_model_config
 from magistral_cli.ops.chunked_loss import cross_entropy_sum
+from magistral_cli.ops.packed_attention import is_packed_attention
 
 
 class LossHead(nn.Linear):
@@ -79,8 +80,33 @@ class Mistral3ForTraining(Mistral3ForConditionalGeneration):
         pixel_values: torch.Tensor | None = None,
         image_sizes: torch.Tensor | None = None,
         sample_weights: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        seq_ends: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
-        """The (weighted) sum of the token losses; ``sample_weights`` ``[B]`` weighs every token of a sample."""
+        """The (weighted) sum of the token losses.
+
+        ``sample_weights`` ``[B]`` weighs every token of a row, ``[B, L - 1]`` every target.
+        ``cu_seqlens`` / ``max_seqlen`` / ``seq_ends`` (``ops.packed_attention.packed_inputs``)
+        are a packed batch's attention segments; they need the packed attention
+        (``resolve_attention(..., packed=True)``), which is refused otherwise.
+        """
+        packed = {}
+        if cu_seqlens is not None:
+            if not is_packed_attention(self.config.text_config._attn_implementation):
+                raise ValueError(
+                    "a packed batch (cu_seqlens) needs the packed attention; build the model with "
+                    "resolve_attention(..., packed=True)"
+                )
+            packed = {
+                "cu_seq_lens_q": cu_seqlens,
+                "cu_seq_lens_k": cu_seqlens,
+                "max_length_q": max_seqlen,
+                "max_length_k": max_seqlen,
+                "packed_seq_ends": seq_ends,
+            }
+            # The segments say everything; a 2D padding mask would only be ignored.
+            attention_mask = None
         inputs_embeds = None
         if pixel_values is None:
             # Every rank must run the same FSDP units in the same order, or the all-gathers
@@ -98,13 +124,15 @@ class Mistral3ForTraining(Mistral3ForConditionalGeneration):
             position_ids=position_ids,
             image_sizes=image_sizes,
             use_cache=False,
+            **packed,
         )
         hidden = outputs.last_hidden_state
         # Position i predicts token i + 1: labels arrive aligned with input_ids, unshifted.
         targets = labels[:, 1:]
         weights = None
         if sample_weights is not None:
-            weights = sample_weights.to(torch.float32)[:, None].expand(targets.shape)
+            weights = sample_weights.to(torch.float32)
+            weights = weights[:, None].expand(targets.shape) if weights.ndim == 1 else weights
         return self.lm_head(hidden[:, :-1], targets, weights)
 
     def _blank_image_features(self, like: torch.Tensor) -> torch.Tensor:

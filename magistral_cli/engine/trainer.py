@@ -22,9 +22,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from magistral_cli.config.schema import Recipe
+from magistral_cli.data.packing import segment_mode
 from magistral_cli.errors import CheckFailed, UserError
 from magistral_cli.ops.attention import resolve_attention, validate_right_padding
 from magistral_cli.ops.context_parallel import check_cp_model, check_cp_recipe, cp_groups_from_mesh
+from magistral_cli.ops.packed_attention import packed_inputs
 from magistral_cli.run_record import record_resolved
 from magistral_cli.runtime import device_module, init_distributed, resolve_device_type
 
@@ -74,8 +76,36 @@ def set_rng_state(state: dict[str, Any], device_type: str) -> None:
         mod.set_rng_state(state["device"])
 
 
-def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
+    """The model's inputs on ``device``; a packed batch's ``cu_seqlens`` becomes the packed
+    attention's arguments (``ops.packed_attention.packed_inputs``: device offsets, host ints)."""
+    out: dict[str, Any] = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "cu_seqlens"}
+    if "cu_seqlens" in batch:
+        out.update(packed_inputs(batch["cu_seqlens"], tuple(batch["input_ids"].shape), device))
+    return out
+
+
+def per_sample_weights(labels: torch.Tensor, attention_mask: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+    """``per_sample_loss`` weights of a host micro-batch: each sample's tokens weigh
+    1 / (its targets x the micro-batch's samples).
+
+    A row is a sample (``[B]`` weights), except in a neat pack (``cu_seqlens`` of a collator with
+    ``segments="samples"``), where each packed sample is one (``[B, L - 1]`` target weights), so a
+    neat pack weighs its samples as a micro-batch of them one by one would.
+    """
+    targets = labels[:, 1:] != -100
+    if cu_seqlens is None:
+        per_sample = targets.sum(dim=1).to(torch.float32)
+        return torch.where(per_sample > 0, 1.0 / per_sample.clamp(min=1), 0.0) / len(per_sample)
+    bounds = cu_seqlens.to(torch.int64)
+    segment = torch.repeat_interleave(torch.arange(len(bounds) - 1), bounds[1:] - bounds[:-1]).view(
+        labels.shape
+    )
+    samples = int(torch.unique(segment[attention_mask.bool()]).numel())  # padding segments are no samples
+    target_segment = segment[:, 1:]
+    counts = torch.bincount(target_segment[targets], minlength=len(bounds) - 1).to(torch.float32)
+    weights = 1.0 / counts.clamp(min=1)[target_segment] / max(samples, 1)
+    return torch.where(targets, weights, 0.0)
 
 
 class Trainer:
@@ -120,6 +150,8 @@ class Trainer:
         self.cp_groups = cp_groups_from_mesh(self.meshes) if self.dims.cp > 1 else None
         self.cp_rank = self.cp_groups.cp_rank if self.cp_groups is not None else 0
         self.loss_type = recipe.features.loss_cfg.loss_type
+        # Packing (plain or neat) runs the packed attention: explicit segments on every device.
+        self.segments = segment_mode(recipe)
         if self.loss_type == "per_sample_loss" and training.micro_batch_size == 1:
             self.loss_type = "default"  # one sample per micro-batch: the same loss, the plain path
         if self.loss_type == "per_sample_loss" and self.cp_groups is not None:
@@ -178,7 +210,9 @@ class Trainer:
             )
         config = load_model_config(recipe.model.model_name_or_path, recipe.model.trust_remote_code)
         check_cp_model(config.text_config, self.dims.ulysses)
-        self.attn_implementation = resolve_attention(recipe.model.attn_implementation, self.device_type)
+        self.attn_implementation = resolve_attention(
+            recipe.model.attn_implementation, self.device_type, packed=self.segments is not None
+        )
         model = build_model(
             config, meta=training.init_model_with_meta_device, attn_implementation=self.attn_implementation
         )
@@ -500,8 +534,10 @@ class Trainer:
             batch = _to_device(mb, self.device)
             if loss_type == "per_sample_loss":
                 # Every token of sample b weighs 1 / (its targets x the micro-batch's samples).
-                per_sample = (mb["labels"][:, 1:] != -100).sum(dim=1).to(torch.float32)
-                weights = torch.where(per_sample > 0, 1.0 / per_sample.clamp(min=1), 0.0) / len(per_sample)
+                neat = self.segments == "samples"
+                weights = per_sample_weights(
+                    mb["labels"], mb["attention_mask"], mb.get("cu_seqlens") if neat else None
+                )
                 batch["sample_weights"] = weights.to(self.device)
             if self.cp_groups is None:
                 loss = self.model(**batch)

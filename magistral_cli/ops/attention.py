@@ -50,7 +50,7 @@ def right_padding_problem(attention_mask: torch.Tensor | None, *, read_values: b
 
     None for no mask or a 2D ``[batch, seq]`` 0/1 mask with padding on the right only;
     otherwise ``"shape"`` (not 2D: a custom or 4D mask), ``"values"`` (values other than 0 and 1:
-    packed-sample ids, neat_packing) or ``"left_padding"`` (padding before real tokens: left
+    packed-sample ids) or ``"left_padding"`` (padding before real tokens: left
     padding or holes). The values are read back (both checks together, one synchronisation
     when the mask lives on a device) unless ``read_values`` is False, which checks the shape only.
     """
@@ -86,8 +86,8 @@ def validate_right_padding(attention_mask: torch.Tensor | None) -> None:
         )
     if problem == "values":
         raise ValueError(
-            "attention_mask holds values other than 0 and 1 (packed-sample ids, neat_packing); "
-            "this engine supports right-padded batches only: set data.dataset_param.basic_parameters.neat_packing=false"
+            "attention_mask holds values other than 0 and 1 (packed-sample ids?); the collator's masks are 0/1 "
+            "with right padding, and packed samples are told apart by cu_seqlens (ops.packed_attention)"
         )
     if problem == "left_padding":
         raise ValueError(
@@ -96,13 +96,24 @@ def validate_right_padding(attention_mask: torch.Tensor | None) -> None:
         )
 
 
-def resolve_attention(requested: str, device_type: str) -> str:
+def resolve_attention(requested: str, device_type: str, *, packed: bool = False) -> str:
     """The language-model attention implementation to use on ``device_type`` for ``requested``.
 
     Recipes ported from the NPU seed ask for ``flash_attention_2``; on NPU that means the fusion
     kernel, on CUDA the flash-attn package when installed, and on the CPU ``sdpa``.
     ``flash_attention_3`` on CUDA needs flash-attn-3; without it FA2 (or sdpa) is used, with a warning.
+    ``packed`` (packing on): the same kernel behind ``ops.packed_attention``, which takes the
+    segments of a packed batch explicitly, so a pack means the same on every device.
     """
+    kernel = _resolve_kernel(requested, device_type)
+    if not packed:
+        return kernel
+    from .packed_attention import packed_attention_name
+
+    return packed_attention_name(kernel)
+
+
+def _resolve_kernel(requested: str, device_type: str) -> str:
     if requested not in ("sdpa", "eager", "flash_attention_2", "flash_attention_3", NPU_ATTENTION):
         raise ValueError(
             f"model.attn_implementation {requested!r} is not supported; "

@@ -145,25 +145,32 @@ def test_bad_recipes_name_the_problem(data, message):
         validate_recipe(data)
 
 
-def test_neat_packing_is_refused_once_by_the_schema_with_the_fix():
-    """The one refusal of neat_packing (data, attention and context parallelism rely on it)."""
-    for parallel in ({}, {"ulysses_parallel_size": 2}):
-        data = {
-            **_minimal(),
-            "parallel": parallel,
-            "data": {"dataset_param": {"basic_parameters": {"packing": True, "neat_packing": True}}},
-        }
-        with pytest.raises(UserError) as info:
-            validate_recipe(data)
-        message = str(info.value)
-        assert "data.dataset_param.basic_parameters.neat_packing: neat_packing (packing in which" in message
-        assert "not supported yet; set neat_packing: false" in message and "causal across" in message
-        assert message.count("neat_packing: false") == 1, message
-    recipe = validate_recipe(
+def test_neat_packing_turns_packing_on_and_is_refused_with_context_parallelism():
+    neat = {"data": {"dataset_param": {"basic_parameters": {"neat_packing": True}}}}
+    recipe = validate_recipe({**_minimal(), **neat})
+    basic = recipe.data.dataset_param.basic_parameters
+    assert basic.neat_packing and basic.packing  # LLaMA-Factory's rule: a neat pack is a pack
+    with pytest.raises(UserError) as info:
+        validate_recipe({**_minimal(), **neat, "parallel": {"ulysses_parallel_size": 2}})
+    message = str(info.value)
+    assert (
+        "neat_packing with context parallelism" in message
+        and "would let packed samples see each other" in message
+    )
+    assert "set both CP sizes to 1, or use packing: true" in message
+    with pytest.raises(UserError, match="neat_packing: true with packing: false"):
+        validate_recipe(
+            {
+                **_minimal(),
+                "data": {"dataset_param": {"basic_parameters": {"packing": False, "neat_packing": True}}},
+            }
+        )
+    plain = validate_recipe(
         {**_minimal(), "data": {"dataset_param": {"basic_parameters": {"packing": True}}}}
     )
-    with pytest.raises(ValueError, match="not supported yet"):  # assignment is validated too
-        recipe.data.dataset_param.basic_parameters.neat_packing = True
+    with pytest.raises(ValueError, match="with packing: false"):  # assignment is validated too
+        plain.data.dataset_param.basic_parameters.packing = False
+        plain.data.dataset_param.basic_parameters.neat_packing = True
 
 
 def test_all_problems_are_reported_at_once():

@@ -138,8 +138,8 @@ def test_cp_limits_are_errors_before_the_first_step(tmp_path):
     recipe = make_recipe(tmp_path / "model", tmp_path / "run", CP_ULYSSES)
     check_cp_recipe(recipe)  # the plain CP recipe passes
 
-    # neat_packing is refused by the recipe schema itself (tests/config/test_recipes.py).
-    with pytest.raises(UserError, match="neat_packing"):
+    # neat_packing with CP is refused by the recipe schema itself (tests/config/test_recipes.py).
+    with pytest.raises(UserError, match="neat_packing with context parallelism"):
         make_recipe(
             tmp_path / "model",
             tmp_path / "run",

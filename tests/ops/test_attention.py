@@ -18,7 +18,7 @@ def test_right_padding_passes():
     [
         (torch.tensor([[0, 1, 1, 1]]), "right padding only"),
         (torch.tensor([[1, 0, 1, 0]]), "right padding only"),
-        (torch.tensor([[1, 1, 2, 2]]), "neat_packing"),
+        (torch.tensor([[1, 1, 2, 2]]), "values other than 0 and 1"),
         (torch.ones(1, 1, 4, 4), "2D"),
     ],
 )

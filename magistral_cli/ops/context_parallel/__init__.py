@@ -7,7 +7,7 @@ What the trainer calls (in this order):
    ``meshes.dp_cp``.
 2. ``groups = cp_groups_from_mesh(meshes)``.
 3. ``check_cp_recipe(recipe)`` and ``check_cp_model(text_config, ulysses_size)`` before the first
-   step (padding scored by the loss, heads that Ulysses cannot split; neat_packing is refused by
+   step (padding scored by the loss, heads that Ulysses cannot split; neat_packing with CP is refused by
    the recipe schema).
 4. ``apply_context_parallel(model, groups, loss_fn=None)``: the CP attention for the language
    model only, and ``model(input_ids=..., labels=..., pixel_values=..., image_sizes=...,

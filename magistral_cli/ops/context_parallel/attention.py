@@ -111,7 +111,7 @@ def context_parallel_attention_forward(
     if attention_mask is not None:
         raise ContextParallelError(
             "context parallelism got an attention mask; CP attention is causal over the whole sequence "
-            "and supports no custom masks (neat_packing, left padding)"
+            "and supports no custom masks (per-sample masks, left padding)"
         )
     if sliding_window is not None:
         raise ContextParallelError(
