@@ -14,8 +14,8 @@ batches, synthetic batches) each row is one segment: plain causal attention, whi
 cannot disturb.
 
 One meaning on every device, because this module calls each device's kernel with the segments
-explicitly and never lets transformers infer them (its FlashAttention path would isolate samples
-whenever position ids restart and the batch has no padding, its SDPA path would not):
+explicitly and never lets transformers infer them (its FlashAttention-2 path isolates samples
+whenever position ids restart in a one-row micro-batch without padding, its SDPA path never does):
 
 - CPU (and CUDA without flash-attn, and ``eager``): ``torch`` SDPA with a block-diagonal causal mask;
 - CUDA: ``flash_attn_varlen_func`` (flash-attn 2, or FlashAttention-3's ``flash_attn_interface``)
