@@ -40,7 +40,10 @@ def test_neat_packing_trains_the_tiny_recipe_on_two_processes(tmp_path):
         "training.save_interval=0",
     )
     runs = {}
-    for name, extra in (("neat", ("data.dataset_param.basic_parameters.neat_packing=true",)), ("unpacked", ())):
+    for name, extra in (
+        ("neat", ("data.dataset_param.basic_parameters.neat_packing=true",)),
+        ("unpacked", ()),
+    ):
         run_dir = tmp_path / name
         done = run_train(recipe, run_dir, *common, *extra)
         assert done.returncode == 0, done.stderr[-3000:]
