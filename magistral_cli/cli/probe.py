@@ -1,6 +1,6 @@
 """`magistral probe NAME`: device and numerics checks for CI.
 
-vision-attention, split-copy, train-smoke, cp-equivalence, or all. Each prints PASS / FAIL /
+vision-attention, packed-attention, split-copy, train-smoke, cp-equivalence, or all. Each prints PASS / FAIL /
 SKIP with the reason (``--json``: one object, or a list for ``all``). Exit 1 on any FAIL, 0
 otherwise; ``--require-device`` makes a SKIP a failure, for CI machines that do have the device.
 """
@@ -15,7 +15,7 @@ from magistral_cli.errors import CheckFailed, UserError
 
 from .output import console, emit_json
 
-NAMES = ("vision-attention", "split-copy", "train-smoke", "cp-equivalence", "all")
+NAMES = ("vision-attention", "packed-attention", "split-copy", "train-smoke", "cp-equivalence", "all")
 DTYPES = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda", "npu")
 _STYLE = {"PASS": "green", "FAIL": "bold red", "SKIP": "yellow"}
@@ -26,6 +26,7 @@ def register(app: typer.Typer) -> None:
         name="probe",
         help=(
             "Device and numerics checks: vision-attention (--mode default|ulysses|ring|hybrid), "
+            "packed-attention (the neat / plain packing attention against per-sample attention), "
             "split-copy (the Triton FSDP2 copy-out; interpreted on the CPU), "
             "train-smoke (--nproc, --mode default|multi, --steps), "
             "cp-equivalence (--mode ulysses|ring|hybrid, --nproc, --dtype, --chunk-loss), "

@@ -201,14 +201,27 @@ def packed_attention_forward(
         cu, longest = cu_seq_lens_q, max_length_q
         if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q:
             raise ValueError("packed attention: query and key segments must be the same (self-attention)")
-    half = query.dtype in (torch.float16, torch.bfloat16)
-    device = query.device.type
-    if kernel == NPU_ATTENTION and device == "npu":
+    path = kernel_path(kernel, query.device.type, query.dtype)
+    if path == "npu":
         return _npu(query, key, value, ends, dropout, scaling), None
-    if kernel in ("flash_attention_2", "flash_attention_3") and device == "cuda" and half:
-        version = 3 if kernel == "flash_attention_3" and flash_attention_available(3) else 2
-        if flash_attention_available(version):
-            if cu is None:
-                cu = torch.tensor([0, *ends], dtype=torch.int32, device=query.device)
-            return _flash(query, key, value, cu, longest, dropout, scaling, version), None
-    return _masked(query, key, value, ends, dropout, scaling, eager=kernel == "eager"), None
+    if path in ("flash_attention_2", "flash_attention_3"):
+        if cu is None:
+            cu = torch.tensor([0, *ends], dtype=torch.int32, device=query.device)
+        version = 3 if path == "flash_attention_3" else 2
+        return _flash(query, key, value, cu, longest, dropout, scaling, version), None
+    return _masked(query, key, value, ends, dropout, scaling, eager=path == "eager"), None
+
+
+def kernel_path(kernel: str, device_type: str, dtype: torch.dtype) -> str:
+    """What runs for ``kernel`` on ``device_type`` in ``dtype``: ``npu`` (npu_fusion_attention, TND),
+    ``flash_attention_2`` / ``flash_attention_3`` (varlen; half precision on CUDA with the package
+    installed), ``eager`` or ``sdpa`` (block-diagonal causal mask; everything else)."""
+    if kernel == NPU_ATTENTION and device_type == "npu":
+        return "npu"
+    half = dtype in (torch.float16, torch.bfloat16)
+    if kernel in ("flash_attention_2", "flash_attention_3") and device_type == "cuda" and half:
+        if kernel == "flash_attention_3" and flash_attention_available(3):
+            return "flash_attention_3"
+        if flash_attention_available(2):
+            return "flash_attention_2"
+    return "eager" if kernel == "eager" else "sdpa"

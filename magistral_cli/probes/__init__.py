@@ -14,6 +14,7 @@ from .common import FAIL, PASS, SKIP, ProbeResult, resolve_probe_device
 #: Probe name -> the modes it accepts (the first is its default).
 PROBE_MODES: dict[str, tuple[str, ...]] = {
     "vision-attention": ("default", "ulysses", "ring", "hybrid"),
+    "packed-attention": ("default",),
     "split-copy": ("default",),
     "train-smoke": ("default", "multi"),
     "cp-equivalence": ("ulysses", "ring", "hybrid"),
@@ -61,6 +62,10 @@ def run_probe(name: str, device: str, mode: str = "default", **options: Any) -> 
                 dtypes=options.get("dtypes"),
                 chunk_loss=bool(options.get("chunk_loss")),
             )
+        if name == "packed-attention":
+            from .packed_attention import run_packed_attention_probe
+
+            return run_packed_attention_probe(device)
         if name == "split-copy":
             from .split_copy import run_split_copy_probe
 

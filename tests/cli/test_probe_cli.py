@@ -33,13 +33,14 @@ def test_all_json_passes_every_probe_on_the_cpu():
     payload = json.loads(result.stdout)
     assert [(p["probe"], p["result"]) for p in payload] == [
         ("vision-attention", "PASS"),
+        ("packed-attention", "PASS"),
         ("split-copy", "PASS"),
         ("train-smoke", "PASS"),
         ("cp-equivalence", "PASS"),
         ("cp-equivalence", "PASS"),
         ("cp-equivalence", "PASS"),
     ]
-    equivalence = payload[3:]
+    equivalence = payload[4:]
     assert [p["mode"] for p in equivalence] == ["ulysses", "ring", "hybrid"]
     for p in equivalence:
         assert {c["name"].split()[0] for c in p["cases"]} == {"fp32", "bf16"}
