@@ -205,3 +205,23 @@ def test_packed_batch_needs_the_packed_attention(setup):
     batch = _first_batch(recipe_for(neat_packing=True), encoded)
     with pytest.raises(ValueError, match="needs the packed attention"):
         plain_model(**_to_device(batch, CPU))
+
+
+def test_neat_pack_with_recompute_and_chunked_loss_gives_the_same_loss_and_gradients(setup):
+    """The trainer's activation checkpointing re-runs each decoder layer with the packed segments,
+    and the chunked loss head scores the same targets."""
+    from magistral_cli.engine.parallelize import apply_ac
+
+    recipe_for, encoded, packed_model, _ = setup
+    batch = _first_batch(recipe_for(neat_packing=True), encoded)
+    reference_loss = packed_model(**_to_device(batch, CPU))
+    reference = _grads(packed_model, reference_loss)
+
+    optimized = copy.deepcopy(packed_model)
+    assert apply_ac(optimized, ["model.language_model.layers.{*}"])
+    install_loss_head(optimized, "lm_head", 64)
+    loss = optimized(**_to_device(batch, CPU))
+    grads = _grads(optimized, loss)
+    torch.testing.assert_close(loss, reference_loss, rtol=1e-5, atol=1e-5)
+    for name, grad in reference.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)
