@@ -716,7 +716,8 @@ class Trainer:
         records: list[dict[str, Any]] = []
         last_saved = last_evaluated = self.step
         try:
-            interval_start, interval_steps = time.perf_counter(), 0
+            # Step times exclude evaluations and checkpoint writes (``paused``): they are no step's work.
+            interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
             while self.step < stop:
                 step = self.step + 1
                 profiler.before_step(step)
@@ -727,14 +728,15 @@ class Trainer:
                 if step % training.log_interval == 0 or step == stop:
                     record = self._record(out)  # waits for the device: the time below is real
                     # Mean step time since the last logged step (steps in between are not synced).
-                    elapsed = (time.perf_counter() - interval_start) / interval_steps
+                    elapsed = (time.perf_counter() - interval_start - paused) / interval_steps
                     record["step_time_ms"] = round(elapsed * 1000, 2)
                     record["tokens_per_s"] = round(record["tokens"] / elapsed, 1) if elapsed > 0 else None
                     records.append(record)
                     if metrics is not None:
                         metrics.write(record)
                     progress.update(record)
-                    interval_start, interval_steps = time.perf_counter(), 0
+                    interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
+                pause_start = time.perf_counter()
                 if (
                     self.val_data is not None
                     and training.eval_interval
@@ -750,6 +752,7 @@ class Trainer:
                     path = self.save()
                     last_saved = step
                     progress.message(f"checkpoint {path}")
+                paused += time.perf_counter() - pause_start
                 if training.manual_gc_interval and step % training.manual_gc_interval == 0:
                     gc.collect()
                 mem_profiler.after_step(step)

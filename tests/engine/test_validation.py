@@ -8,6 +8,7 @@ those of a run without.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -53,6 +54,33 @@ def test_evaluation_leaves_the_training_unchanged_and_is_logged(tiny, tmp_path):
     assert [x["step"] for x in val] == [3, 4]  # every eval_interval steps and at the end
     assert all(x["samples"] == 5 and x["targets"] > 0 for x in val)
     assert val[0]["loss"] != val[1]["loss"]  # the model trained in between
+
+
+class SlowEvaluation(Trainer):
+    """An evaluation and a save that take 2 s each (a large split, a slow disk)."""
+
+    def evaluate(self):
+        time.sleep(2.0)
+        return super().evaluate()
+
+    def save(self):
+        time.sleep(2.0)
+        return super().save()
+
+
+def test_step_times_leave_out_evaluations_and_checkpoint_writes(tiny, tmp_path):
+    run_dir = tmp_path / "slow"
+    overrides = [*VAL, "training.eval_interval=2", "training.save_interval=2"]
+    trainer = SlowEvaluation(make_recipe(tiny, run_dir, overrides, train_iters=4))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    train = [x for x in _lines(run_dir) if "split" not in x]
+    assert [x["step"] for x in train] == [1, 2, 3, 4]
+    # Steps 3 follows an evaluation and a save (4 s); a tiny step takes well under a second.
+    assert all(x["step_time_ms"] < 1500 for x in train), [x["step_time_ms"] for x in train]
+    assert (run_dir / "checkpoints" / "step_2").is_dir()
 
 
 def _reference_loss(model_dir, batches) -> float:
