@@ -60,18 +60,27 @@ def plot_comparison(
 
 
 def _title(report: dict) -> str:
+    """The verdict in short lines (a long single line is clipped at the figure's edges)."""
+    import textwrap
+
     loss, times = report["loss"], report["step_time_ms"]
-    title = f"{'PASS' if report['pass'] else 'FAIL'}: {report['steps_compared']} common steps"
-    if loss["normalized_mean_abs_diff"] is not None:
-        title += f", normalized mean |Δloss| {loss['normalized_mean_abs_diff']:.3%} (threshold {loss['threshold']:.2%})"
+    first = f"{'PASS' if report['pass'] else 'FAIL'}: {report['steps_compared']} common steps"
     if times["mean_ratio"] is not None:
-        title += f", step time ratio {times['mean_ratio']:.3f}"
+        first += f", step time ratio {times['mean_ratio']:.3f}"
+    lines = [first]
+    parts = []
+    if loss["normalized_mean_abs_diff"] is not None:
+        parts.append(
+            f"normalized mean |Δloss| {loss['normalized_mean_abs_diff']:.3%} (threshold {loss['threshold']:.2%})"
+        )
     val = (report.get("validation") or {}).get("loss") or {}
     if val.get("normalized_mean_abs_diff") is not None:
-        title += f", validation |Δloss| {val['normalized_mean_abs_diff']:.3%}"
+        parts.append(f"validation |Δloss| {val['normalized_mean_abs_diff']:.3%}")
+    if parts:
+        lines.append(", ".join(parts))
     if report["failures"]:
-        title += "\n" + report["failures"][0]
-    return title
+        lines.extend(textwrap.wrap(report["failures"][0], width=90))
+    return "\n".join(lines)
 
 
 def _loss_panel(ax, comparison: Comparison, labels) -> None:
