@@ -293,6 +293,18 @@ def run_preprocess(
         return PreprocessResult(cache_mod.EncodedDataset(plan.entry), report, reused=False)
 
 
+def find_cached_dataset(recipe) -> cache_mod.EncodedDataset | None:
+    """The recipe's cache entry if it exists, else None; never encodes anything.
+
+    As cheap as ``plan_preprocess`` (file hashes, no tokenizer build), whose UserError it raises
+    for unusable inputs (a missing dataset or tokenizer file, an unsupported template).
+    """
+    plan = plan_preprocess(recipe)
+    if not cache_mod.is_complete(plan.entry):
+        return None
+    return cache_mod.EncodedDataset(plan.entry, reused=True)
+
+
 def _raise_strict(drops: list[dict]) -> None:
     first = drops[0]
     raise CheckFailed(

@@ -1,4 +1,5 @@
-"""The preprocessing report: kept, dropped by reason, lengths, images, speed, and the split."""
+"""The preprocessing report: kept, dropped by reason, lengths (percentiles and a histogram), images,
+speed, and the split."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections import Counter
 
 import numpy as np
 
+from .packing import length_histogram
 from .readers import DROP_REASONS
 
 #: Dropped rows listed per reason in the report (the full list is drops.jsonl).
@@ -36,6 +38,8 @@ def build_report(writer, *, rows: int, seconds: float, cutoff_len: int, workers:
         "tokens": int(lengths.sum()),
         "label_tokens": writer.label_tokens,
         "length_percentiles": percentiles,
+        # Fixed bins, a few KiB for any dataset: the padding estimate of `magistral train --dry-run`.
+        "length_histogram": length_histogram(lengths, cutoff_len),
         "cutoff_len": cutoff_len,
         "images": len(writer.images),
         "images_per_sample": {str(k): v for k, v in sorted(images.items())},

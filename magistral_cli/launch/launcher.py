@@ -63,6 +63,8 @@ class LaunchPlan:
     memory: Any = None
     #: The run directory's lock (``run_lock.RunLock``), held from planning to the job's end.
     lock: Any = None
+    #: The padding estimate (``padding_section``): the dataset's cache entry, a note, the estimate.
+    padding: dict[str, Any] | None = None
 
     @property
     def command_line(self) -> str:
@@ -83,6 +85,7 @@ class LaunchPlan:
             "env_kept_from_user": self.env_kept,
             "warnings": self.warnings,
             "memory_plan": self.memory.to_json() if self.memory is not None else None,
+            "padding": self.padding,
         }
 
     def render(self, console) -> None:
@@ -108,6 +111,8 @@ class LaunchPlan:
                 f"[bold]memory plan[/]    {self.memory.device_peak / GIB:.2f} GiB per rank on the device, "
                 f"{self.memory.host_peak / GIB:.2f} GiB on the host (--dry-run shows the items)"
             )
+        if self.padding is not None:
+            render_padding(self.padding, console, full=self.lock is None)
 
 
 def render_memory_plan(plan, console) -> None:
@@ -150,6 +155,133 @@ def render_memory_plan(plan, console) -> None:
     console.print(f"[bold]peak per rank[/]  {device}, {host}")
     for note in plan.notes:
         console.print(f"[dim]{note}[/]")
+
+
+#: ``padding_section``'s names of the recipe's packing modes.
+PADDING_MODES = {"none": "no packing", "packing": "packing"}
+
+
+def padding_section(recipe: Recipe, world_size: int, dataset=None, *, hint: str = "") -> dict[str, Any]:
+    """How much of the recipe's micro-batches is padding, without and with packing.
+
+    From the dataset's cache entry: ``dataset`` (a real launch has just prepared it) or, for a
+    dry run, the entry if it already exists (``data.pipeline.find_cached_dataset``: nothing is
+    encoded). The estimate (``data.packing.estimate_padding``) reads the preprocess report's
+    ``length_histogram``, or the entry's sample lengths when an older report lacks it. Returns
+    ``{"cache_entry", "note", "estimate"}``: ``estimate`` None and a one-line ``note`` when there
+    is nothing to estimate from; ``hint`` is the preprocess command to suggest then.
+    """
+    basic = recipe.data.dataset_param.basic_parameters
+    out: dict[str, Any] = {"cache_entry": None, "note": None, "estimate": None}
+    if recipe.data.dataset_param.dataset_type == "synthetic":
+        out["note"] = "synthetic data: no dataset to estimate the padding from"
+        return out
+    from magistral_cli.data.packing import estimate_padding
+
+    try:
+        if dataset is None:
+            from magistral_cli.data.pipeline import find_cached_dataset
+
+            dataset = find_cached_dataset(recipe)
+        if dataset is None:
+            command = hint or "magistral preprocess RECIPE"
+            out["note"] = f"no cache entry for this dataset yet: run `{command}` first for a padding estimate"
+            return out
+        out["cache_entry"] = str(dataset.path)
+        histogram = dataset.report.get("length_histogram")
+        if histogram is not None:
+            source, estimates = (
+                "report histogram",
+                estimate_padding(basic.cutoff_len, recipe.training.micro_batch_size, histogram=histogram),
+            )
+        else:  # an entry written before the report had a histogram: its offsets.npy is as good
+            source, estimates = (
+                "sample lengths",
+                estimate_padding(basic.cutoff_len, recipe.training.micro_batch_size, lengths=dataset.lengths),
+            )
+    except (UserError, OSError, ValueError, KeyError) as exc:
+        out["note"] = f"no padding estimate: {exc}"
+        return out
+    dp = max(1, world_size // recipe.parallel.cp_size)
+    per_step = recipe.training.micro_batch_size * dp * recipe.training.gradient_accumulation_steps
+    modes = {}
+    for name, e in estimates.items():
+        modes[name] = {
+            "rows": e.rows,
+            "micro_batches_per_epoch": e.micro_batches,
+            "steps_per_epoch": e.rows // per_step,
+            "real_fraction": None if e.real_fraction is None else round(e.real_fraction, 4),
+            "real_tokens_per_micro_batch": round(e.real_tokens, 1),
+            "padded_tokens_per_micro_batch": round(e.padded_tokens, 1),
+        }
+    used = "neat_packing" if basic.neat_packing else "packing" if basic.packing else "none"
+    out["estimate"] = {
+        "source": source,
+        "samples": estimates["none"].rows,
+        "cutoff_len": basic.cutoff_len,
+        "micro_batch_size": recipe.training.micro_batch_size,
+        "recipe_mode": used,
+        "modes": modes,
+    }
+    if basic.val_size:
+        out["note"] = "over every kept sample: the val_size split is not taken out"
+    return out
+
+
+def render_padding(padding: dict[str, Any], console, *, full: bool = True) -> None:
+    """The padding section: one line per mode (``full``, the dry run) or one line in all."""
+    from rich.markup import escape
+
+    estimate = padding["estimate"]
+    if estimate is None:
+        console.print(f"[bold]padding[/]        {escape(padding['note'])}", soft_wrap=True)
+        return
+    modes, used = estimate["modes"], estimate["recipe_mode"]
+    used_key = "none" if used == "none" else "packing"
+
+    def fraction(mode: dict) -> str:
+        return "n/a" if mode["real_fraction"] is None else f"{mode['real_fraction']:.1%}"
+
+    if not full:
+        other = "packing" if used_key == "none" else "none"
+        mode = modes[used_key]
+        console.print(
+            f"[bold]padding[/]        {fraction(mode)} real tokens in a micro-batch ({used}; "
+            f"{PADDING_MODES[other]}: {fraction(modes[other])}), {mode['steps_per_epoch']:,} steps an epoch "
+            "(--dry-run shows both)"
+        )
+        return
+    from rich.table import Table
+
+    mb = estimate["micro_batch_size"]
+    table = Table(
+        title=f"padding per micro-batch of {mb} ({estimate['samples']:,} samples; {estimate['source']})",
+        title_justify="left",
+    )
+    table.add_column("mode", no_wrap=True)
+    table.add_column("real tokens", justify="right")
+    table.add_column("micro-batch (mean)", justify="right")
+    table.add_column("micro-batches / epoch", justify="right")
+    table.add_column("steps / epoch", justify="right")
+    for key, label in PADDING_MODES.items():
+        mode = modes[key]
+        if key == used_key:
+            label = f"[bold]{label if used == 'none' else used}[/] *"
+        table.add_row(
+            label,
+            fraction(mode),
+            f"{mb} x {mode['padded_tokens_per_micro_batch'] / mb:,.0f}",
+            f"{mode['micro_batches_per_epoch']:,}",
+            f"{mode['steps_per_epoch']:,}",
+        )
+    console.print(table)
+    dim = (
+        f"* this recipe; expected over random orders, rows padded to the longest of their micro-batch; "
+        f"packing and neat_packing pad the same; cache entry {escape(str(padding['cache_entry']))}"
+    )
+    if padding["note"]:
+        dim += f"; {padding['note']}"
+    console.print(f"[dim]{dim}[/]", soft_wrap=True)
 
 
 def _memory_plan(
@@ -400,6 +532,7 @@ def _write_run_dir(
         env={**os.environ, **added},
     )
     write_json(run_dir / "run_identity.json", identity)
+    dataset = None
     if not options.dry_run and recipe.data.dataset_param.dataset_type != "synthetic":
         # Encode (or find the cache) here, once, so that no rank waits in a barrier while
         # rank 0 encodes: a long encode would outlast the collective timeout.
@@ -407,6 +540,9 @@ def _write_run_dir(
 
         dataset = prepare_dataset(recipe, progress=progress)
         dataset_split(recipe, dataset)  # a val_size that leaves no training sample stops here
+    # A dry run encodes nothing: it estimates from the cache entry only if that exists already.
+    hint = "magistral preprocess " + shlex.join([str(recipe_path), *overrides])
+    padding = padding_section(recipe, world_size, dataset, hint=hint)
     return LaunchPlan(
         recipe=recipe,
         recipe_path=recipe_path,
@@ -420,6 +556,7 @@ def _write_run_dir(
         env_kept=kept,
         warnings=warnings,
         memory=memory,
+        padding=padding,
     )
 
 
@@ -465,9 +602,18 @@ def failure_report(run_dir: Path, code: int, nproc: int) -> tuple[list[str], int
             record = json.loads(path.read_text(encoding="utf-8"))
             statuses[int(record["rank"])] = record
     failed = {r: s for r, s in statuses.items() if s.get("exit_status")}
+    missing = [r for r in range(nproc) if r not in statuses]
+    user_errors = [r for r, s in failed.items() if s.get("kind") == "user"]
+    if user_errors and all(s.get("kind") == "user" for s in failed.values()):
+        # A rank stopped on bad input: torchrun then stops the others (SIGTERM), and a rank stopped
+        # before it could record anything is that consequence, not a second failure.
+        lines = [f"rank {rank} failed: {_short_error(failed[rank])}" for rank in sorted(user_errors)]
+        if missing:
+            stopped = ", ".join(str(r) for r in missing)
+            lines.append(f"rank(s) {stopped} stopped by torchrun after that failure (no status of their own)")
+        return lines, 2
     # Ranks of this node that recorded nothing were killed (a signal, the out-of-memory killer) or
     # died before start-up: the likeliest cause, so they come first, with their log's last lines.
-    missing = [r for r in range(nproc) if r not in statuses]
     lines: list[str] = []
     for rank in missing:
         lines.append(
@@ -476,9 +622,7 @@ def failure_report(run_dir: Path, code: int, nproc: int) -> tuple[list[str], int
         )
         lines += _log_tail(run_dir, rank)
     for rank, record in sorted(failed.items()):
-        error = str(record.get("error"))
-        if len(error) > 400:
-            error = error[:400] + " ..."
+        error = _short_error(record)
         if record.get("kind") in ("user", "check"):
             lines.append(f"rank {rank} failed: {error}")
         else:
@@ -487,8 +631,12 @@ def failure_report(run_dir: Path, code: int, nproc: int) -> tuple[list[str], int
                 lines += _log_tail(run_dir, rank)
     if not lines:
         lines.append(f"torchrun exit status {code}, but every rank recorded success")
-    status = 2 if failed and not missing and all(s.get("kind") == "user" for s in failed.values()) else 1
-    return lines, status
+    return lines, 1
+
+
+def _short_error(record: dict) -> str:
+    error = str(record.get("error"))
+    return error[:400] + " ..." if len(error) > 400 else error
 
 
 def _log_tail(run_dir: Path, local_rank: int) -> list[str]:

@@ -347,3 +347,34 @@ def test_a_too_old_tokenizer_stops_the_launch_before_any_rank_starts(tmp_path):
     assert result.exit_code == 2, result.output
     assert "is Tekken v3" in result.output and "Traceback" not in result.output
     assert not list((tmp_path / "run" / "logs").iterdir()), "torchrun must not have started"
+
+
+def _statuses(run_dir: Path, **records: dict) -> None:
+    (run_dir / "rank_status").mkdir(parents=True)
+    for name, record in records.items():
+        (run_dir / "rank_status" / f"{name}.json").write_text(json.dumps(record), encoding="utf-8")
+
+
+def test_a_rank_stopped_by_torchrun_after_a_user_error_keeps_exit_2(tmp_path):
+    """torchrun SIGTERMs the other ranks when one fails; one killed before it recorded a status is
+    that consequence, not a second failure (under load this race turned exit 2 into exit 1)."""
+    from magistral_cli.launch.launcher import failure_report
+
+    error = "cannot load /m: the checkpoint belongs to another model config"
+    _statuses(tmp_path, rank0={"rank": 0, "exit_status": 2, "kind": "user", "error": error})
+    lines, status = failure_report(tmp_path, 1, 2)
+    assert status == 2
+    assert lines[0] == f"rank 0 failed: {error}"
+    assert "rank(s) 1 stopped by torchrun after that failure" in lines[1]
+    # a crash next to it is still exit 1
+    other = tmp_path / "crash"
+    _statuses(
+        other,
+        rank0={"rank": 0, "exit_status": 2, "kind": "user", "error": error},
+        rank1={"rank": 1, "exit_status": 1, "kind": "crash", "error": "RuntimeError: boom"},
+    )
+    lines, status = failure_report(other, 1, 2)
+    assert status == 1 and any("rank 1 crashed: RuntimeError: boom" in x for x in lines)
+    # no status at all: killed, exit 1 (unchanged)
+    lines, status = failure_report(tmp_path / "none", 1, 2)
+    assert status == 1 and "ended without a status" in lines[0]
