@@ -40,8 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from magistral_cli.checkpoint.hf import CONFIG, SINGLE_WEIGHTS, WEIGHT_INDEX
-from magistral_cli.checkpoint.layout import MEGATRON_RELEASE_DIR, is_dcp_dir
+from magistral_cli.checkpoint.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MEGATRON_RELEASE_DIR, is_dcp_dir
 from magistral_cli.errors import CheckFailed, UserError
+from magistral_cli.run_record import RESOLVED_CONFIG
 
 #: Sampling defaults of Magistral-Small-2509's model card.
 DEFAULT_TEMPERATURE = 0.7
@@ -49,9 +50,6 @@ DEFAULT_TOP_P = 0.95
 DEFAULT_MAX_NEW_TOKENS = 1024
 DEVICES = ("auto", "cpu", "cuda", "npu")
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
-RESOLVED_CONFIG = "resolved_config.yaml"
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: The placeholder answer appended to a conversation that ends with a user turn (see the module doc).
 _PLACEHOLDER_ANSWER = "x"
 #: Long enough that the encoder never truncates a prompt (the model's context is checked instead).
@@ -576,40 +574,20 @@ def _apply_lora_checkpoint(model, checkpoint: Path) -> dict:
     """PEFT's LoRA layers in ``model`` (as training injects them) holding the checkpoint's adapters."""
     from peft import inject_adapter_in_model
 
-    from magistral_cli.checkpoint.lora_export import read_lora_checkpoint
-    from magistral_cli.checkpoint.lora_format import ADAPTER, LoraTargets, peft_config
-    from magistral_cli.config.schema import LoraConfig
+    from magistral_cli.checkpoint.lora_export import fit_problems, lora_spec, read_lora_checkpoint
+    from magistral_cli.checkpoint.lora_format import ADAPTER, peft_config
 
     ck = read_lora_checkpoint(checkpoint)
-    modules = dict(model.named_modules())
-    problems = [
-        f"{m} is not a module of the base" for m in (*ck.targets, *ck.modules_to_save) if m not in modules
-    ]
-    for m in ck.targets:
-        if m in modules and hasattr(modules[m], "in_features"):
-            a, b = ck.lora_pair(m)
-            if (modules[m].out_features, modules[m].in_features) != (b.shape[0], a.shape[1]):
-                problems.append(
-                    f"{m} is {modules[m].out_features}x{modules[m].in_features} in the base, "
-                    f"the adapters make {b.shape[0]}x{a.shape[1]}"
-                )
+    problems = fit_problems(ck, {key: tuple(value.shape) for key, value in model.state_dict().items()})
     if problems:
         raise UserError(
             f"the LoRA checkpoint {checkpoint} does not fit the base: {'; '.join(problems[:5])}; pass --base DIR, "
             "the base model the run trained on"
         )
-    spec = LoraConfig(
-        r=ck.r,
-        alpha=ck.alpha,
-        dropout=ck.dropout,
-        target_modules=list(ck.targets),
-        init_lora_weights=ck.init_lora_weights,
-    )
+    spec, targets = lora_spec(ck)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-        inject_adapter_in_model(
-            peft_config(spec, LoraTargets(modules=ck.targets)), model, adapter_name=ADAPTER
-        )
+        inject_adapter_in_model(peft_config(spec, targets), model, adapter_name=ADAPTER)
     state = model.state_dict()
     for key, value in ck.tensors.items():
         if key not in state or tuple(state[key].shape) != tuple(value.shape):

@@ -14,6 +14,9 @@ from typing import Any
 
 from magistral_cli.errors import CheckFailed, UserError
 
+#: The run directory's resolved recipe (written by the launcher, read by the ranks, generate and export).
+RESOLVED_CONFIG = "resolved_config.yaml"
+
 IDENTITY_NAME = "run_identity.json"
 
 

@@ -15,6 +15,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+#: PEFT's adapter files (``convert dcp-to-hf --lora adapters`` writes them, ``generate --adapter`` reads them)
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
 #: The DCP metadata file of a checkpoint directory.
 DCP_METADATA = ".metadata"
 #: Sub-directory that holds a megatron-layout DCP (Megatron's "release" iteration).

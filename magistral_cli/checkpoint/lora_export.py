@@ -26,24 +26,24 @@ import os
 import shutil
 import struct
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from magistral_cli.errors import CheckFailed, UserError
+from magistral_cli.run_record import RESOLVED_CONFIG
 
 from .hf import CONFIG, WEIGHT_INDEX, read_hf_weights, read_weight_index, require_model_dir, support_files
-from .keys import to_transformers_key
+from .keys import DCP_MODEL_PREFIX, to_transformers_key
+from .layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .safetensors_io import SafetensorsStreamWriter, read_safetensors_header
 from .staging import refuse_existing, staged_directory
 from .validate import read_dcp_metadata, resolve_dcp_checkpoint
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 MODES = ("adapters", "merged")
 #: The engine layout's prefix of model keys in a training checkpoint.
-MODEL_PREFIX = "model."
-RESOLVED_CONFIG = "resolved_config.yaml"
+MODEL_PREFIX = DCP_MODEL_PREFIX["engine"]
 
 
 @dataclass
@@ -223,26 +223,34 @@ def _base_specs(base_dir: Path) -> dict[str, tuple[str, Any]]:
     return out
 
 
-def _check_against_base(ck: LoraCheckpoint, base: dict[str, tuple[str, Any]], base_dir: Path) -> None:
+def fit_problems(ck: LoraCheckpoint, base: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """What keeps ``ck`` from fitting a base whose tensors have these shapes (transformers key -> shape):
+    an adapted module's weight must be ``(out, in)`` of its adapters, a module to save's tensors the
+    checkpoint's shapes. Empty when it fits."""
     problems = []
     for module in ck.targets:
         a, b = ck.lora_pair(module)
         found = base.get(f"{module}.weight")
         if found is None:
             problems.append(f"{module}.weight is not in the base")
-        elif tuple(found[1].shape) != (b.shape[0], a.shape[1]):
+        elif tuple(found) != (b.shape[0], a.shape[1]):
             problems.append(
-                f"{module}.weight is {tuple(found[1].shape)} in the base, the adapters make {(b.shape[0], a.shape[1])}"
+                f"{module}.weight is {tuple(found)} in the base, the adapters make {(b.shape[0], a.shape[1])}"
             )
     for key, tensor in ck.tensors.items():
         if key.rsplit(".", 1)[0] in ck.modules_to_save:
             found = base.get(key)
             if found is None:
                 problems.append(f"{key} (modules_to_save) is not in the base")
-            elif tuple(found[1].shape) != tuple(tensor.shape):
+            elif tuple(found) != tuple(tensor.shape):
                 problems.append(
-                    f"{key} is {tuple(found[1].shape)} in the base, {tuple(tensor.shape)} in the checkpoint"
+                    f"{key} is {tuple(found)} in the base, {tuple(tensor.shape)} in the checkpoint"
                 )
+    return problems
+
+
+def _check_against_base(ck: LoraCheckpoint, base: dict[str, tuple[str, Any]], base_dir: Path) -> None:
+    problems = fit_problems(ck, {key: tuple(spec.shape) for key, (_, spec) in base.items()})
     if problems:
         raise CheckFailed(
             f"the LoRA checkpoint {ck.path} does not fit the base {base_dir}: "
@@ -254,7 +262,9 @@ def _check_against_base(ck: LoraCheckpoint, base: dict[str, tuple[str, Any]], ba
 # --------------------------------------------------------------------------- adapters
 
 
-def _lora_spec(ck: LoraCheckpoint):
+def lora_spec(ck: LoraCheckpoint):
+    """(the ``model.lora`` settings, the ``LoraTargets``) ``ck`` was trained with: what
+    ``lora_format.peft_config`` turns into a ``peft.LoraConfig``."""
     from magistral_cli.config.schema import LoraConfig
 
     from .lora_format import LoraTargets
@@ -273,7 +283,7 @@ def write_adapter_config(ck: LoraCheckpoint, out_dir: Path, base_model_name_or_p
     """``adapter_config.json`` as ``PeftModel.save_pretrained`` writes it (lists sorted: stable files)."""
     from .lora_format import peft_config
 
-    spec, targets = _lora_spec(ck)
+    spec, targets = lora_spec(ck)
     config = peft_config(spec, targets, for_export=True, base_model_name_or_path=base_model_name_or_path)
     config.save_pretrained(str(out_dir))
     path = out_dir / ADAPTER_CONFIG

@@ -24,6 +24,12 @@ def refuse_existing(target: Path, what: str) -> None:
         )
 
 
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
 @contextmanager
 def staged_directory(target: str | Path, what: str = "output directory") -> Iterator[Path]:
     """Yield a fresh temporary directory next to ``target``; rename it to ``target`` on success."""
@@ -34,9 +40,13 @@ def staged_directory(target: str | Path, what: str = "output directory") -> Iter
     try:
         yield tmp
         refuse_existing(target, what)  # created by someone else meanwhile
-        umask = os.umask(0)
-        os.umask(umask)
+        umask = _umask()
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private
+        for path in tmp.rglob("*"):
+            if path.is_file() and not path.is_symlink() and not path.stat().st_mode & 0o044:
+                # a writer that made its file private (safetensors' save_file writes 0600): the
+                # files of an export get the mode any file created here would have
+                os.chmod(path, 0o666 & ~umask)
         os.rename(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -44,8 +44,10 @@ class _Group(TyperGroup):
             raise typer.Exit(exc.exit_code) from None
 
     def list_commands(self, ctx):
-        # The workflow order, not alphabetical.
-        return list(self.commands)
+        # The workflow order (the order of registration), not alphabetical.
+        return sorted(
+            self.commands, key=lambda name: WORKFLOW.index(name) if name in WORKFLOW else len(WORKFLOW)
+        )
 
 
 app = typer.Typer(
@@ -78,8 +80,16 @@ def _root(
     _state["debug"] = debug
 
 
+#: The subcommands in the order their modules register them: the workflow order ``--help`` lists.
+#: (Typer itself puts sub-apps such as ``convert`` after all the plain commands.)
+WORKFLOW: list[str] = []
 for _module in (fetch, convert, preprocess, train, compare, generate, probe, quickstart):
     _module.register(app)
+    WORKFLOW += [
+        info.name
+        for info in (*app.registered_commands, *app.registered_groups)
+        if info.name and info.name not in WORKFLOW
+    ]
 
 
 def main() -> None:

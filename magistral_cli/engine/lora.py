@@ -67,13 +67,15 @@ from magistral_cli.checkpoint.lora_format import (
     is_adapter_key,
     peft_config,
     peft_file_key,  # noqa: F401 (re-exported: engine.lora is the trainer's LoRA API)
-    read_checkpoint_record,  # noqa: F401 (re-exported: engine.lora is the trainer's LoRA API)
+    read_checkpoint_record,
     wrapped_key,  # noqa: F401 (re-exported: engine.lora is the trainer's LoRA API)
 )
 from magistral_cli.config.patterns import WILDCARD, compile_pattern, match_names, select_modules
 from magistral_cli.config.schema import LORA_SCOPES
 from magistral_cli.config.schema import LoraConfig as LoraSpec
 from magistral_cli.errors import UserError
+
+from .weights import local_slices
 
 log = logging.getLogger(__name__)
 
@@ -312,22 +314,8 @@ def adapter_numel(model: nn.Module) -> int:
 # --------------------------------------------------------------------------- init after materialize
 
 
-def _local_slices(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
-    """(local storage, the slices of the global tensor it holds) of a DTensor or a plain tensor."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(tensor, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(
-            tensor.shape, tensor.device_mesh, tensor.placements
-        )
-        return tensor.to_local(), tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
-    return tensor, tuple(slice(0, s) for s in tensor.shape)
-
-
 def _set_full(param: torch.Tensor, full: torch.Tensor) -> None:
-    local, slices = _local_slices(param)
+    local, slices = local_slices(param)
     if local.numel():
         local.copy_(full[slices])
 
@@ -440,3 +428,25 @@ def contiguous_linear_patterns(
             )
         out.append(f"{pattern}.{BASE_LAYER}" if hits else pattern)
     return out
+
+
+def refuse_lora_checkpoint_as_load(load: str | None, load_format: str = "auto") -> None:
+    """``training.load`` must hold base weights: a LoRA training checkpoint holds adapters only.
+
+    A ``UserError`` naming the way to resume it or to export it; the launcher calls this in its
+    pre-flight and the trainer again before it loads anything.
+    """
+    from pathlib import Path
+
+    from .checkpoint import is_training_checkpoint
+
+    if not load or load_format == "hf":
+        return
+    path = Path(load)
+    if is_training_checkpoint(path) and read_checkpoint_record(path) is not None:
+        raise UserError(
+            f"training.load {path} is a LoRA training checkpoint (adapters only), not base weights; "
+            "set training.load to the base model and training.save to that run's checkpoint "
+            "directory to resume it (training.resume: auto), or export it first with "
+            "`magistral convert dcp-to-hf --lora merged`"
+        )

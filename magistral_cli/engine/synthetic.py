@@ -14,7 +14,8 @@ with micro-batch 1 see together, and micro-batch 2 x accumulation 1 what 1 x 2 s
 
 The one builder of synthetic micro-batches: the trainer (``dataset_type: synthetic``), the
 engine tests and benchmarks, and the ``train-smoke`` probe (``images_per_sample=2`` for its
-``multi`` mode) use it.
+``multi`` mode) use it. Its stateful protocol, :class:`MicroBatchCounter` (the state is the count
+of micro-batches yielded), is the probe's replaying source's too.
 """
 
 from __future__ import annotations
@@ -25,9 +26,27 @@ IMAGE_TOKEN_ID = 10
 PAD_TOKEN_ID = 11
 BOS_TOKEN_ID = 1
 FIRST_TEXT_ID = 16  # below: control tokens
+#: The state of a micro-batch counter (``MicroBatchCounter.state_dict``).
+YIELDED = "micro_batches_yielded"
 
 
-class SyntheticBatches:
+class MicroBatchCounter:
+    """The stateful protocol of an endless iterator of micro-batches whose whole state is how many it
+    has yielded (``self.yielded``): what the trainer checkpoints and a resume restores."""
+
+    yielded: int = 0
+
+    def state_dict(self) -> dict:
+        return {YIELDED: self.yielded}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.yielded = int(state[YIELDED])
+
+    def __iter__(self):
+        return self
+
+
+class SyntheticBatches(MicroBatchCounter):
     """An endless, stateful iterator of micro-batch dicts (the loader's keys and dtypes)."""
 
     def __init__(
@@ -63,16 +82,6 @@ class SyntheticBatches:
         self.images_per_sample = images_per_sample
         self.pixels_per_token = pixels_per_token
         self.yielded = 0
-
-    # ------------------------------------------------------------------ stateful protocol
-    def state_dict(self) -> dict:
-        return {"micro_batches_yielded": self.yielded}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.yielded = int(state["micro_batches_yielded"])
-
-    def __iter__(self):
-        return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
         step, micro = divmod(self.yielded, self.grad_accumulation)

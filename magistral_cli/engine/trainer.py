@@ -275,15 +275,7 @@ class Trainer:
         if self.rank == 0 and self.save_dir is not None:
             for stale in ckpt.remove_stale_temporaries(self.save_dir):
                 log.warning("removed %s, left by an interrupted checkpoint save", stale)
-        if self.lora is not None and training.load and training.load_format != "hf":
-            path = Path(training.load)
-            if ckpt.is_training_checkpoint(path) and lora_mod.read_checkpoint_record(path) is not None:
-                raise UserError(
-                    f"training.load {path} is a LoRA training checkpoint (adapters only), not base weights; "
-                    "set training.load to the base model and training.save to that run's checkpoint "
-                    "directory to resume it (training.resume: auto), or export it first with "
-                    "`magistral convert dcp-to-hf --lora merged --merge`"
-                )
+        lora_mod.refuse_lora_checkpoint_as_load(training.load, training.load_format)
         resume = None
         if self.save_dir is None:
             pass  # nothing saved, nothing to resume from
@@ -381,13 +373,15 @@ class Trainer:
         """Continue from the training checkpoint at ``path`` (every rank calls it)."""
         import torch.distributed.checkpoint as dcp
 
+        from magistral_cli.checkpoint.keys import DCP_MODEL_PREFIX
         from magistral_cli.checkpoint.safe_dcp import SafeFileSystemReader
 
         training = self.recipe.training
         keys = set(SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata)
         self._check_lora_checkpoint(path, keys)
         state: dict[str, Any] = {"model": self._model_state()}
-        missing = sorted(f"model.{k}" for k in state["model"] if f"model.{k}" not in keys)
+        prefix = DCP_MODEL_PREFIX["engine"]
+        missing = sorted(prefix + k for k in state["model"] if prefix + k not in keys)
         if missing:
             raise UserError(f"checkpoint {path} lacks model keys: {', '.join(missing[:10])}")
         optim_sd = None

@@ -87,7 +87,7 @@ def load_targets(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in base_state_dict(model.state_dict()).items() if k not in aliases}
 
 
-def _local_slices(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+def local_slices(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     """(local storage, slices of the global tensor it holds) for a DTensor or a plain tensor."""
     from torch.distributed.tensor import DTensor
 
@@ -160,7 +160,7 @@ def load_hf(model: nn.Module, path: Path, strict: bool) -> LoadReport:
                             f"{key}: shape {tuple(source.get_shape())} in {fname}, {tuple(targets[key].shape)} in the model"
                         )
                         continue
-                    local, slices = _local_slices(targets[key])
+                    local, slices = local_slices(targets[key])
                     if local.numel():
                         local.copy_(source[slices])
                     report.loaded += 1

@@ -28,6 +28,7 @@ from typing import Any
 from magistral_cli.config import check_world_size, load_recipe, recipe_to_yaml
 from magistral_cli.config.schema import Recipe
 from magistral_cli.errors import UserError
+from magistral_cli.run_record import RESOLVED_CONFIG
 
 from .device import device_defaults, merge_env, resolve_device
 from .identity import build_identity, write_json
@@ -74,7 +75,7 @@ class LaunchPlan:
     def to_json(self) -> dict[str, Any]:
         return {
             "run_dir": str(self.run_dir),
-            "resolved_config": str(self.run_dir / "resolved_config.yaml"),
+            "resolved_config": str(self.run_dir / RESOLVED_CONFIG),
             "run_identity": str(self.run_dir / "run_identity.json"),
             "device": self.device,
             "nproc_per_node": self.nproc_per_node,
@@ -425,7 +426,7 @@ def build_command(plan_args: LaunchOptions, nproc: int, run_dir: Path) -> list[s
         ]
     # Every rank's stdout/stderr goes to logs/ (torchrun's --log-dir); the console shows rank 0.
     cmd += ["--log-dir", str(run_dir / "logs"), "--tee", "3", "--local-ranks-filter", "0"]
-    cmd += ["-m", ENGINE_MODULE, str(run_dir / "resolved_config.yaml")]
+    cmd += ["-m", ENGINE_MODULE, str(run_dir / RESOLVED_CONFIG)]
     return cmd
 
 
@@ -466,6 +467,9 @@ def plan_launch(
     except ValueError as exc:
         raise UserError(f"recipe {recipe_path}: {exc}") from None
     _check_paths(recipe, warnings, options.dry_run)
+    from magistral_cli.engine.lora import refuse_lora_checkpoint_as_load
+
+    refuse_lora_checkpoint_as_load(recipe.training.load, recipe.training.load_format)
     from magistral_cli.engine.loggers import check_logger_available
 
     check_logger_available(recipe)  # tools.logger's package, before any rank starts
@@ -516,7 +520,7 @@ def _write_run_dir(
     command = build_command(options, nproc, run_dir)
 
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    (run_dir / "resolved_config.yaml").write_text(
+    (run_dir / RESOLVED_CONFIG).write_text(
         f"# Resolved from {recipe_path} with overrides: {' '.join(overrides) or '(none)'}\n"
         + recipe_to_yaml(recipe),
         encoding="utf-8",

@@ -25,6 +25,7 @@ from typing import Any
 from magistral_cli.config import load_recipe
 from magistral_cli.engine.loggers import check_logger_available
 from magistral_cli.errors import UserError
+from magistral_cli.run_record import RESOLVED_CONFIG
 from magistral_cli.runtime import detect_device
 
 from .device import device_defaults, resolve_device
@@ -70,7 +71,7 @@ class SlurmPlan:
     def to_json(self, job_id: str | None = None) -> dict[str, Any]:
         return {
             "run_dir": str(self.launch.run_dir),
-            "resolved_config": str(self.launch.run_dir / "resolved_config.yaml"),
+            "resolved_config": str(self.launch.run_dir / RESOLVED_CONFIG),
             "script": str(self.script),
             "device": self.launch.device,
             "nodes": self.nodes,

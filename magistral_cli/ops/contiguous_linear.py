@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from magistral_cli.errors import UserError
+from magistral_cli.runtime import DTYPES as RECIPE_DTYPES
+from magistral_cli.runtime import parse_dtype
 
 WHAT = "features.contiguous_linear_grad_modules"
 #: Where the custom path runs by default.
@@ -120,14 +122,12 @@ def apply_contiguous_linear_grad(
 
 
 def _as_dtype(value: Any) -> torch.dtype | None:
-    """torch.dtype from a dtype or a recipe string ("bf16", "bfloat16", "fp16", "float32", ...)."""
+    """torch.dtype from a dtype or a recipe name (``runtime.parse_dtype``: "bf16", "bfloat16", ...)."""
     if value is None or isinstance(value, torch.dtype):
         return value
-    aliases = {"bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16, "fp32": torch.float32}
-    text = str(value).removeprefix("torch.")
-    if text in aliases:
-        return aliases[text]
-    dtype = getattr(torch, text, None)
-    if not isinstance(dtype, torch.dtype):
-        raise UserError(f"{WHAT}: unknown param_dtype {value!r}; use bf16, fp16 or fp32")
-    return dtype
+    try:
+        return parse_dtype(str(value).removeprefix("torch."))
+    except ValueError:
+        raise UserError(
+            f"{WHAT}: unknown param_dtype {value!r}; use one of {', '.join(RECIPE_DTYPES)}"
+        ) from None

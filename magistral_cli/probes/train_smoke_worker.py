@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from magistral_cli.config.loader import validate_recipe
-from magistral_cli.engine.synthetic import SyntheticBatches
+from magistral_cli.engine.synthetic import YIELDED, MicroBatchCounter, SyntheticBatches
 from magistral_cli.engine.trainer import Trainer
 from magistral_cli.runtime import BACKENDS, init_distributed
 from magistral_cli.testing.tiny_model import build_tiny_model, save_official_checkpoint, tiny_mistral3_config
@@ -79,7 +79,7 @@ def probe_recipe(model_dir: Path, run_dir: Path, device: str, steps: int) -> dic
     }
 
 
-class ReplayedBatches:
+class ReplayedBatches(MicroBatchCounter):
     """A data source that replays ``source``'s first global batch every step.
 
     The micro-batches of step ``poison_step`` (1-based) get NaN pixel values: the (frozen)
@@ -93,18 +93,9 @@ class ReplayedBatches:
         self.poison_step = poison_step
         self.yielded = 0
 
-    def state_dict(self) -> dict:
-        return {"micro_batches_yielded": self.yielded}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.yielded = int(state["micro_batches_yielded"])
-
-    def __iter__(self):
-        return self
-
     def __next__(self):
         step, micro = divmod(self.yielded, self.grad_accumulation)
-        self.source.load_state_dict({"micro_batches_yielded": micro})
+        self.source.load_state_dict({YIELDED: micro})
         batch = next(self.source)
         self.yielded += 1
         if step + 1 == self.poison_step and "pixel_values" in batch:

@@ -134,6 +134,10 @@ def test_adapters_load_with_peft_and_give_the_trained_logits(trained, tmp_path):
     out = tmp_path / "adapters"
     result = export_lora_adapters(trained["checkpoint"], trained["fp32"], out)
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    # readable like every other exported file (safetensors itself writes 0600), for serving from
+    # shared storage by another user
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert modes["adapter_model.safetensors"] == modes["adapter_config.json"], modes
     with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
         keys = set(f.keys())
     assert result.tensors == len(keys) == 29

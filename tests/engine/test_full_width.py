@@ -41,15 +41,13 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from magistral_cli.runtime import spawn_ranks
 
 from .helpers import skip_without_native_bf16
 
@@ -347,61 +345,54 @@ def _unpark_moments(optimizer, path: Path) -> None:
     path.unlink()
 
 
-def _worker(rank: int, init_file: str, recipe: dict, reference: str, out_dir: str) -> None:
+def _worker(rank: int, recipe: dict, reference: str, out_dir: str) -> dict:
+    """One trainer rank (``spawn_ranks``: the gloo group joined, 1 thread: 2 ranks on 2 cores)."""
     from magistral_cli.config.loader import validate_recipe
     from magistral_cli.engine.trainer import Trainer
-    from magistral_cli.runtime import finish_rank_process
 
-    torch.set_num_threads(1)  # 2 ranks on 2 cores
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     timings, losses, norms, batches = {}, [], [], []
     hwm = {}  # VmHWM after each phase: where the peak was reached
     moments = Path(out_dir) / f"moments{rank}.pt"
+    t0 = time.monotonic()
+    trainer = Trainer(validate_recipe(recipe))
+    timings["build_and_load_s"] = time.monotonic() - t0
+    hwm["load"] = _vmhwm_gib()
     try:
-        t0 = time.monotonic()
-        trainer = Trainer(validate_recipe(recipe))
-        timings["build_and_load_s"] = time.monotonic() - t0
-        hwm["load"] = _vmhwm_gib()
-        try:
-            for step in (1, 2):
-                t0 = time.monotonic()
-                batch = trainer._next_micro_batch()
-                out = trainer.forward_backward([batch])
-                timings[f"step{step}_forward_backward_s"] = time.monotonic() - t0
-                hwm[f"step{step}_forward_backward"] = _vmhwm_gib()
-                if step == 1:
-                    errors = _grad_errors(trainer.model, Path(reference), rank)
-                    hwm["gradient_check"] = _vmhwm_gib()
-                else:
-                    _unpark_moments(trainer.optimizer, moments)
-                t0 = time.monotonic()
-                done = trainer.optimizer_step(out["loss_sum"])
-                timings[f"step{step}_optimizer_s"] = time.monotonic() - t0
-                hwm[f"step{step}_optimizer"] = _vmhwm_gib()
-                losses.append(done["global_loss_sum"].item() / out["counts"][0].item())
-                norms.append(float(done["grad_norm"]))
-                batches.append(
-                    {"input_ids": batch["input_ids"].tolist(), "pixels": float(batch["pixel_values"].sum())}
-                )
-                if step == 1:
-                    _park_moments(trainer.optimizer, moments)
-            assert trainer.step == 2
-        finally:
-            trainer.close()
-        result = {
-            "loss": losses,
-            "grad_norm": norms,
-            "grad_errors": errors,
-            "batches": batches,
-            "vmhwm_gib": _vmhwm_gib(),
-            "vmhwm_after_gib": {k: round(v, 2) for k, v in hwm.items()},
-            "cpu_s": time.process_time(),
-            **timings,
-        }
-        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+        for step in (1, 2):
+            t0 = time.monotonic()
+            batch = trainer._next_micro_batch()
+            out = trainer.forward_backward([batch])
+            timings[f"step{step}_forward_backward_s"] = time.monotonic() - t0
+            hwm[f"step{step}_forward_backward"] = _vmhwm_gib()
+            if step == 1:
+                errors = _grad_errors(trainer.model, Path(reference), rank)
+                hwm["gradient_check"] = _vmhwm_gib()
+            else:
+                _unpark_moments(trainer.optimizer, moments)
+            t0 = time.monotonic()
+            done = trainer.optimizer_step(out["loss_sum"])
+            timings[f"step{step}_optimizer_s"] = time.monotonic() - t0
+            hwm[f"step{step}_optimizer"] = _vmhwm_gib()
+            losses.append(done["global_loss_sum"].item() / out["counts"][0].item())
+            norms.append(float(done["grad_norm"]))
+            batches.append(
+                {"input_ids": batch["input_ids"].tolist(), "pixels": float(batch["pixel_values"].sum())}
+            )
+            if step == 1:
+                _park_moments(trainer.optimizer, moments)
+        assert trainer.step == 2
     finally:
-        dist.destroy_process_group()
-    finish_rank_process(0)
+        trainer.close()
+    return {
+        "loss": losses,
+        "grad_norm": norms,
+        "grad_errors": errors,
+        "batches": batches,
+        "vmhwm_gib": _vmhwm_gib(),
+        "vmhwm_after_gib": {k: round(v, 2) for k, v in hwm.items()},
+        "cpu_s": time.process_time(),
+        **timings,
+    }
 
 
 # --------------------------------------------------------------------------- the test
@@ -488,20 +479,8 @@ def test_one_full_width_step_matches_transformers(tmp_path):
     # 5. The trainer on 2 processes (this process holds little meanwhile: measured, and counted).
     held_during_ranks = _rss_gib()
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(
-            _worker,
-            args=(
-                os.path.join(tmp, "init"),
-                recipe,
-                str(grads_path),
-                str(tmp_path),
-            ),
-            nprocs=2,
-            join=True,
-        )
+    ranks = spawn_ranks(_worker, 2, (recipe, str(grads_path), str(tmp_path)), threads=1)
     timings["trainer_s"] = time.monotonic() - t0
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     timings["total_s"] = time.monotonic() - started
 
     figures = {

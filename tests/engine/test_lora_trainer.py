@@ -91,6 +91,19 @@ def test_lora_checkpoints_refused_where_they_do_not_fit(tiny, tmp_path):
 
     with pytest.raises(UserError, match="LoRA training checkpoint .*not base weights"):
         Trainer(_lora_recipe(model_dir, tmp_path / "other", train_iters=2, load=checkpoint))
+    # ... and by the launcher's pre-flight, before torchrun starts, for any recipe (exit 2)
+    import yaml
+
+    from magistral_cli.launch.launcher import LaunchOptions, plan_launch
+
+    raw = recipe_dict(model_dir, tmp_path / "launched")
+    raw["training"]["load"] = str(checkpoint)
+    (tmp_path / "full.yaml").write_text(yaml.safe_dump(raw), encoding="utf-8")
+    for dry_run in (True, False):
+        with pytest.raises(
+            UserError, match="LoRA training checkpoint .*`magistral convert dcp-to-hf --lora merged`$"
+        ):
+            plan_launch(tmp_path / "full.yaml", [], LaunchOptions(nproc_per_node=2, dry_run=dry_run))
     with pytest.raises(UserError, match="other model.lora settings .*r 4 there, 8 here"):
         Trainer(_lora_recipe(model_dir, run, r=8, train_iters=4, resume="auto"))
     with pytest.raises(UserError, match="is a LoRA checkpoint .*no model.lora"):
