@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from magistral_cli.checkpoint.keys import DCP_MODEL_PREFIX
 from magistral_cli.config.schema import Recipe
 from magistral_cli.data.packing import segment_mode
 from magistral_cli.errors import CheckFailed, UserError
@@ -373,7 +374,6 @@ class Trainer:
         """Continue from the training checkpoint at ``path`` (every rank calls it)."""
         import torch.distributed.checkpoint as dcp
 
-        from magistral_cli.checkpoint.keys import DCP_MODEL_PREFIX
         from magistral_cli.checkpoint.safe_dcp import SafeFileSystemReader
 
         training = self.recipe.training

@@ -45,6 +45,31 @@ def flash_attention_available(version: int) -> bool:
     return distribution in {name.replace("_", "-").lower() for name in owners}
 
 
+def flash_varlen(
+    q, k, v, cu_seqlens, max_seqlen: int, scaling, dropout: float, *, causal: bool, version: int
+):
+    """flash-attn's (version 2) or FlashAttention-3's ``flash_attn_varlen_func`` over
+    ``[total, heads, dim]`` tensors with one ``cu_seqlens`` (int32) for queries and keys; the
+    output only (early FA3 releases also return the LSE). FA3 has no dropout."""
+    if version == 3:
+        from flash_attn_interface import flash_attn_varlen_func
+    else:
+        from flash_attn import flash_attn_varlen_func
+
+    kwargs = dict(
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_k=cu_seqlens,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen,
+        softmax_scale=scaling,
+        causal=causal,
+    )
+    if version == 2:
+        kwargs["dropout_p"] = dropout
+    out = flash_attn_varlen_func(q, k, v, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
 def right_padding_problem(attention_mask: torch.Tensor | None, *, read_values: bool = True) -> str | None:
     """The one rule every attention-mask check applies; what is wrong with ``attention_mask``.
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .attention import NPU_ATTENTION, flash_attention_available
+from .attention import NPU_ATTENTION, flash_attention_available, flash_varlen
 
 PREFIX = "magistral_packed_"
 #: the kernels a packed attention name can stand for
@@ -121,25 +121,9 @@ def _masked(query, key, value, ends, dropout, scaling, eager: bool):
 
 
 def _flash(query, key, value, cu_seqlens, max_seqlen, dropout, scaling, version: int):
-    if version == 3:
-        from flash_attn_interface import flash_attn_varlen_func
-    else:
-        from flash_attn import flash_attn_varlen_func
-
     batch, heads, length, dim = query.shape
     q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))
-    kwargs = dict(
-        cu_seqlens_q=cu_seqlens,
-        cu_seqlens_k=cu_seqlens,
-        max_seqlen_q=max_seqlen,
-        max_seqlen_k=max_seqlen,
-        softmax_scale=scaling,
-        causal=True,
-    )
-    if version == 2:
-        kwargs["dropout_p"] = dropout
-    out = flash_attn_varlen_func(q, k, v, **kwargs)
-    out = out[0] if isinstance(out, tuple) else out  # early FA3 releases also return the LSE
+    out = flash_varlen(q, k, v, cu_seqlens, max_seqlen, scaling, dropout, causal=True, version=version)
     return out.view(batch, length, heads, dim)
 
 

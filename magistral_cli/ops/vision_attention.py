@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from magistral_cli.errors import UserError
-from magistral_cli.ops.attention import flash_attention_available
+from magistral_cli.ops.attention import flash_attention_available, flash_varlen
 
 #: The name in transformers' AttentionInterface. It contains "flash" on purpose: for such
 #: implementations transformers passes ``cu_seq_lens_*`` and builds no dense block mask.
@@ -95,29 +95,12 @@ def _sdpa_per_image(query, key, value, ends, dropout, scaling):
 
 def _flash_varlen(query, key, value, ends, cu_seq_lens, dropout, scaling, version):
     """flash-attn's (version 2) or FlashAttention-3's varlen kernel over the packed images."""
-    if version == 3:
-        from flash_attn_interface import flash_attn_varlen_func
-    else:
-        from flash_attn import flash_attn_varlen_func
-
     if not (isinstance(cu_seq_lens, torch.Tensor) and cu_seq_lens.device == query.device):
         cu_seq_lens = torch.tensor([0, *ends], dtype=torch.int32, device=query.device)
     cu = cu_seq_lens.to(torch.int32)
     max_len = max(b - a for a, b in zip([0, *ends], ends, strict=False))
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (seq, heads, dim)
-    kwargs = dict(
-        cu_seqlens_q=cu,
-        cu_seqlens_k=cu,
-        max_seqlen_q=max_len,
-        max_seqlen_k=max_len,
-        softmax_scale=scaling,
-        causal=False,
-    )
-    if version == 2:
-        kwargs["dropout_p"] = dropout
-    out = flash_attn_varlen_func(q, k, v, **kwargs)
-    out = out[0] if isinstance(out, tuple) else out  # early FA3 releases also return the LSE
-    return out.unsqueeze(0)
+    return flash_varlen(q, k, v, cu, max_len, scaling, dropout, causal=False, version=version).unsqueeze(0)
 
 
 def _npu_fusion(query, key, value, ends, dropout, scaling):
