@@ -18,6 +18,19 @@ the run for an optimisation.
 
 On the CPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``), which is how
 its logic is tested on machines without an accelerator; there it uses the CUDA block.
+
+Version counters. The kernel leaves every output's version counter as the native op would in
+the same call. ``aten::split_with_sizes_copy.out`` returns ``()``, so it has no ADInplaceOrView
+kernel and bumps nothing itself: the bumps native makes come from whatever its backend kernel
+calls. The composite kernel (CPU, CUDA's general path, NPU's default) runs ``out[i].copy_`` per
+output, one bump each; CUDA's fast path for contiguous operands of one dtype (which every call
+the kernel takes is) launches one fused kernel and, in the torch 2.11 on our H200, bumps
+nothing, while an earlier version of that path bumped each output explicitly; torch_npu's
+fused ``aclnnSplitWithSize`` path depends on the shapes, the CANN version and the SoC. No rule
+written here would hold across these, so the bump is learnt: the first call of each shape
+(device, dtype, source shape, number of parts, and whether ADInplaceOrView is excluded or
+inference mode is on) goes to the native op, which shows what it bumps (:data:`native_bumps`),
+and the kernel repeats that on every later call of the shape.
 """
 
 from __future__ import annotations
@@ -77,10 +90,14 @@ _PLAIN_NPU_FORMATS = (0, 2)
 
 #: How many calls took each path in this process (the probe checks the kernel really ran):
 #: "kernel" counts copies the kernel did, "native" those the native op did, "failed" the
-#: kernel failures among the latter.
-calls = {"kernel": 0, "native": 0, "failed": 0}
+#: kernel failures and "learnt" the first calls of a shape (:data:`native_bumps`) among the latter.
+calls = {"kernel": 0, "native": 0, "failed": 0, "learnt": 0}
 #: Variants (device type, dtype, block) whose kernel failed in this process, with the error.
 failed: dict[tuple[str, torch.dtype, int], str] = {}
+#: Per call shape (:func:`_shape_key`), the version bump the native op gave each output, learnt
+#: from the first call of that shape; None where it bumped outputs unevenly, which the kernel
+#: does not imitate (the native op keeps that shape). Emptied by :func:`registered`.
+native_bumps: dict[tuple, int | None] = {}
 
 _registration: torch.library.Library | None = None
 
@@ -186,6 +203,50 @@ def _copy_with_kernel(source: torch.Tensor, sizes: Sequence[int], out: Sequence[
     return True
 
 
+def _shape_key(source: torch.Tensor, sizes: Sequence[int]) -> tuple:
+    """What decides which path native takes, and so what it bumps, for a call the kernel can take.
+
+    Backends choose by device, dtype and shapes (torch_npu's fused path by the number of parts
+    and both dimensions); whether ``copy_`` bumps at all depends on ADInplaceOrView being
+    dispatched, which a guard excludes and inference mode changes.
+    """
+    return (
+        source.device,
+        source.dtype,
+        tuple(source.shape),
+        len(sizes),
+        torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.ADInplaceOrView),
+        torch.is_inference_mode_enabled(),
+    )
+
+
+def _copy_with_native_and_learn(
+    key: tuple, source: torch.Tensor, sizes: Sequence[int], dim: int, out: Sequence[torch.Tensor]
+) -> None:
+    """The native op does this call; its bump of the outputs is kept for ``key``.
+
+    Only non-empty outputs are read: they have distinct storages (``unsupported_reason``), so
+    none shares a version counter with another. With none, nothing is learnt.
+    """
+    measured = [t for t in out if t.numel() and not t.is_inference()]
+    before = [t._version for t in measured]
+    calls["native"] += 1
+    torch.split_with_sizes_copy(source, sizes, dim=dim, out=out)
+    if not measured:
+        return
+    calls["learnt"] += 1
+    bumps = {t._version - v for t, v in zip(measured, before, strict=True)}
+    native_bumps[key] = bumps.pop() if len(bumps) == 1 else None
+    if native_bumps[key] is None:
+        warnings.warn(
+            f"FSDP2's native split_with_sizes_copy bumped the version counters of the outputs "
+            f"unevenly for {source.dtype} {tuple(source.shape)} on {source.device}; the Triton "
+            "kernel would not match that, so the native op keeps calls of this shape",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 def split_with_sizes_copy(
     all_gather_output: torch.Tensor,
     all_gather_input_split_sizes: Sequence[int],
@@ -193,14 +254,28 @@ def split_with_sizes_copy(
     *,
     out: list[torch.Tensor],
 ) -> None:
-    """Our implementation of ``fsdp::split_with_sizes_copy``: the kernel, or the native op."""
+    """Our implementation of ``fsdp::split_with_sizes_copy``: the kernel, or the native op.
+
+    Version counters end as native leaves them (see the module's docstring). FSDP2 hides the
+    copy from autograd anyway (``_unsafe_preserve_version_counter`` around the call): the
+    unsharded parameters are saved for backward, and refilling them by a later all-gather must
+    not read as an in-place change, or backward would raise "modified by an inplace operation".
+    """
     source, sizes = all_gather_output, [int(n) for n in all_gather_input_split_sizes]
-    if unsupported_reason(source, sizes, dim, out) is None and _copy_with_kernel(source, sizes, out):
-        calls["kernel"] += 1
-        # The native out= op bumps each output's version counter once; a Triton store does not,
-        # so do it here. FSDP2 wraps the call in _unsafe_preserve_version_counter, which undoes it.
-        torch.autograd.graph.increment_version(out)
-        return
+    if unsupported_reason(source, sizes, dim, out) is None:
+        tracked = [t for t in out if not t.is_inference()]  # inference tensors have no counter
+        bump = 0
+        if tracked:
+            key = _shape_key(source, sizes)
+            if key not in native_bumps:
+                _copy_with_native_and_learn(key, source, all_gather_input_split_sizes, dim, out)
+                return
+            bump = native_bumps[key]
+        if bump is not None and _copy_with_kernel(source, sizes, out):
+            calls["kernel"] += 1
+            for _ in range(bump):  # a Triton store bumps nothing: bump as native did
+                torch.autograd.graph.increment_version(tracked)
+            return
     calls["native"] += 1
     torch.split_with_sizes_copy(source, all_gather_input_split_sizes, dim=dim, out=out)
 
@@ -264,9 +339,11 @@ def enable_triton_split_copy() -> None:
 def registered(dispatch_key: str = "CPU") -> Iterator[None]:
     """Register the kernel for one dispatch key inside the block only (the probe and tests use "CPU").
 
-    On exit the registration is removed and FSDP2's native implementation is back.
+    On exit the registration is removed and FSDP2's native implementation is back. The bumps
+    learnt before (:data:`native_bumps`) are forgotten on entry: each block learns its own.
     """
     check_fsdp_op()
+    native_bumps.clear()
     library = _register((dispatch_key,))
     try:
         yield

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -12,6 +14,34 @@ from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from magistral_cli.ops import split_copy
 
 op = torch.ops.fsdp.split_with_sizes_copy
+
+
+@contextlib.contextmanager
+def native_that_bumps(bumps):
+    """Replace the CPU's ``aten::split_with_sizes_copy.out`` (which FSDP2's native op calls) by a
+    copy that bumps output i ``bumps(i)`` times: 0 is what CUDA's fast path did on the H200."""
+
+    def split_with_sizes_copy_out(source, split_sizes, dim=0, *, out):
+        for i, (t, part) in enumerate(zip(out, source.split(list(split_sizes), dim), strict=True)):
+            with torch.autograd._unsafe_preserve_version_counter(t):
+                t.copy_(part)
+            for _ in range(bumps(i)):
+                torch.autograd.graph.increment_version(t)
+
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("split_with_sizes_copy.out", split_with_sizes_copy_out, "CPU")
+    try:
+        yield
+    finally:
+        library._destroy()
+
+
+def _learn(source, sizes):
+    """The first call of a shape goes to the native op, which shows its version bump; after it
+    calls of that shape go to the kernel."""
+    learnt = split_copy.calls["learnt"]
+    op(source, sizes, dim=1, out=[torch.empty(source.shape[0], n, dtype=source.dtype) for n in sizes])
+    assert split_copy.calls["learnt"] == learnt + 1
 
 
 def _native_error(fn) -> str | None:
@@ -55,24 +85,87 @@ def test_kernel_matches_native_bitwise_and_bumps_versions_like_native(kernel, dt
     before = [t._version for t in native]
     torch.split_with_sizes_copy(source, sizes, dim=1, out=native)
     native_delta = [t._version - v for t, v in zip(native, before, strict=True)]
+    assert native_delta == [1] * len(sizes)  # the CPU's composite kernel: one copy_ per output
 
-    actual = [torch.full_like(t, 5) for t in expected]
-    versions = [t._version for t in actual]
-    ran = kernel["kernel"]
-    op(source, sizes, dim=1, out=actual)
-    assert kernel["kernel"] == ran + 1  # the kernel did the copy, not the fallback
-    for a, e in zip(actual, expected, strict=True):
-        assert torch.equal(a, e)
-    assert [t._version - v for t, v in zip(actual, versions, strict=True)] == native_delta == [1] * len(sizes)
+    for path in ("native", "kernel"):  # the first call of the shape learns, the next is the kernel's
+        actual = [torch.full_like(t, 5) for t in expected]
+        versions = [t._version for t in actual]
+        ran = kernel[path]
+        op(source, sizes, dim=1, out=actual)
+        assert kernel[path] == ran + 1, path
+        for a, e in zip(actual, expected, strict=True):
+            assert torch.equal(a, e)
+        assert [t._version - v for t, v in zip(actual, versions, strict=True)] == native_delta, path
 
     for t in actual:
         t.zero_()
     versions = [t._version for t in actual]
+    ran = kernel["kernel"]
     with torch.autograd._unsafe_preserve_version_counter(tuple(actual)):
         op(source, sizes, dim=1, out=actual)
+    assert kernel["kernel"] == ran + 1
     assert [t._version for t in actual] == versions
     for a, e in zip(actual, expected, strict=True):
         assert torch.equal(a, e)
+
+
+@pytest.mark.parametrize("bumps", [0, 1, 2])
+def test_kernel_bumps_versions_exactly_as_often_as_the_native_op(kernel, bumps):
+    """Against a native that bumps nothing (CUDA's fast path on the H200), once (the CPU) or twice."""
+    source = torch.randint(-63, 64, (2, 16)).to(torch.bfloat16)
+    sizes = [3, 0, 13]
+    with native_that_bumps(lambda i: bumps):
+        reference = [torch.empty(2, n, dtype=source.dtype) for n in sizes]
+        torch.split_with_sizes_copy(source, sizes, dim=1, out=reference)
+        assert [t._version for t in reference] == [bumps] * 3  # the stand-in is the native op
+        for path in ("native", "kernel", "kernel"):
+            actual = [torch.full((2, n), 5, dtype=source.dtype) for n in sizes]
+            ran = kernel[path]
+            op(source, sizes, dim=1, out=actual)
+            assert kernel[path] == ran + 1, path
+            assert [t._version for t in actual] == [bumps] * 3, path
+            assert torch.equal(torch.cat(actual, dim=1), source)
+    key = split_copy._shape_key(source, sizes)
+    assert split_copy.native_bumps[key] == bumps
+
+
+def test_each_shape_and_dispatch_state_is_learnt_on_its_own(kernel):
+    """What the native op bumped for one shape is not assumed for another."""
+    with native_that_bumps(lambda i: 0):
+        _learn(torch.randn(2, 8), [3, 5])
+    _learn(torch.randn(4, 8), [3, 5])  # another world size
+    _learn(torch.randn(2, 8), [3, 4, 1])  # another number of parts
+    _learn(torch.randn(2, 8).half(), [3, 5])  # another dtype
+    source = torch.randn(2, 8)
+    with torch._C._AutoDispatchBelowADInplaceOrView():  # copy_ bumps nothing here
+        _learn(source, [3, 5])
+        outputs = [torch.full((2, n), 5.0) for n in (3, 5)]
+        ran = kernel["kernel"]
+        op(source, [3, 5], dim=1, out=outputs)
+        assert kernel["kernel"] == ran + 1
+        assert [t._version for t in outputs] == [0, 0]
+    bumps = split_copy.native_bumps
+    assert sorted(bumps.values()) == [0, 0, 1, 1, 1] and len(bumps) == 5
+
+
+def test_a_native_that_bumps_unevenly_keeps_the_shape(kernel):
+    source = torch.randn(2, 8)
+    with native_that_bumps(lambda i: i), pytest.warns(RuntimeWarning, match="unevenly"):
+        op(source, [3, 5], dim=1, out=[torch.empty(2, 3), torch.empty(2, 5)])
+    assert split_copy.native_bumps[split_copy._shape_key(source, [3, 5])] is None
+    outputs = [torch.empty(2, 3), torch.empty(2, 5)]
+    native, ran = kernel["native"], kernel["kernel"]
+    op(source, [3, 5], dim=1, out=outputs)
+    assert (kernel["native"], kernel["kernel"]) == (native + 1, ran)
+    assert torch.equal(torch.cat(outputs, dim=1), source)
+
+
+def test_registered_forgets_what_it_learnt():
+    with split_copy.triton_interpreter(), split_copy.registered("CPU"):
+        _learn(torch.randn(2, 8), [3, 5])
+        assert split_copy.native_bumps
+    with split_copy.registered("CPU"):
+        assert not split_copy.native_bumps
 
 
 def test_kernel_in_inference_mode(kernel):
@@ -216,6 +309,7 @@ def test_every_block_size_copies_like_native(kernel, block, monkeypatch):
     monkeypatch.setitem(split_copy.BLOCK_SIZES, ("cpu", torch.bfloat16), block)
     sizes = [block - 1, 1, 2 * block + 3]
     source = torch.randint(-63, 64, (2, sum(sizes))).to(torch.bfloat16)
+    _learn(source, sizes)
     actual = [torch.empty(2, n, dtype=torch.bfloat16) for n in sizes]
     ran = kernel["kernel"]
     op(source, sizes, dim=1, out=actual)
@@ -233,6 +327,8 @@ def test_a_kernel_that_fails_to_compile_falls_back_to_native_with_one_warning(ke
     monkeypatch.setitem(split_copy.BLOCK_SIZES, ("cpu", torch.float32), 1000)
     monkeypatch.setattr(split_copy, "failed", {})
     source = torch.randn(2, 15)
+    _learn(source, [3, 5, 7])
+    _learn(source.half(), [3, 5, 7])
     before = dict(kernel)
     with pytest.warns(RuntimeWarning, match="split-copy kernel failed for torch.float32 on cpu") as caught:
         for _ in range(3):
