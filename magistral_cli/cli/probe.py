@@ -1,8 +1,11 @@
 """`magistral probe NAME`: device and numerics checks for CI.
 
 vision-attention, packed-attention, split-copy, train-smoke, cp-equivalence, or all. Each prints PASS / FAIL /
-SKIP with the reason (``--json``: one object, or a list for ``all``). Exit 1 on any FAIL, 0
-otherwise; ``--require-device`` makes a SKIP a failure, for CI machines that do have the device.
+SKIP with the reason (``--json``: one object, or a list for ``all``; a SKIP also has its
+``skip_kind``). Exit 1 on any FAIL, 0 otherwise. ``--require-device``, for CI machines that do
+have the device, makes a SKIP a FAIL, except one for fewer devices than a probe's processes need
+(``too_few_devices``): a one-GPU machine passes ``probe all --device cuda --require-device``
+with the 2-process probes skipped, while a machine without CUDA fails it (``no_device``).
 """
 
 from __future__ import annotations
@@ -71,7 +74,14 @@ def register(app: typer.Typer) -> None:
         steps: Annotated[int, typer.Option("--steps", min=1, help="train-smoke steps.")] = 30,
         json_output: Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")] = False,
         require_device: Annotated[
-            bool, typer.Option("--require-device", help="Treat SKIP as a failure (CI with the device).")
+            bool,
+            typer.Option(
+                "--require-device",
+                help=(
+                    "Treat SKIP as a failure (CI with the device), except a SKIP for fewer devices "
+                    "than a probe's processes need."
+                ),
+            ),
         ] = False,
     ) -> None:
         results = run(
@@ -148,11 +158,21 @@ def run(
         results = [run_probe(name, resolved, mode, **options)]
     out = [r.to_json() for r in results]
     if require_device:
-        for r in out:
-            if r["result"] == "SKIP":
-                r["result"] = "FAIL"
-                r["reason"] = f"skipped, which --require-device does not allow: {r['reason']}"
+        apply_require_device(out)
     return out
+
+
+def apply_require_device(results: List[dict]) -> List[dict]:
+    """``--require-device``: the SKIPs it does not allow become FAILs (in place), keeping their
+    ``skip_kind``; a SKIP for too few devices stays a SKIP (``probes.common.fails_require_device``)."""
+    from magistral_cli.probes.common import fails_require_device
+
+    for r in results:
+        if fails_require_device(r):
+            r["result"] = "FAIL"
+            kind = f" ({r['skip_kind']})" if r.get("skip_kind") else ""
+            r["reason"] = f"skipped{kind}, which --require-device does not allow: {r['reason']}"
+    return results
 
 
 def render(results: List[dict]) -> None:

@@ -2,7 +2,8 @@
 
 A probe result is ``{"probe", "device", "mode", "result", "reason", "cases"}`` with result
 PASS, FAIL or SKIP. PASS needs at least one case and every case passed; a probe that did not
-run its checks says SKIP with the reason, never PASS.
+run its checks says SKIP with the reason, never PASS, and with why in one word: ``skip_kind``
+(in the JSON of a skipped result only), one of :data:`SKIP_KINDS`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,14 @@ from typing import Any
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 DEVICES = ("cpu", "cuda", "npu")
 
+#: Why a probe skipped. The device kind is not here (no CUDA, no torch_npu, an unknown device):
+NO_DEVICE = "no_device"
+#: The device kind is here, but fewer devices than the probe's processes need (one per rank):
+TOO_FEW_DEVICES = "too_few_devices"
+#: A package the probe needs is not installed (triton for split-copy):
+MISSING_SOFTWARE = "missing_software"
+SKIP_KINDS = (NO_DEVICE, TOO_FEW_DEVICES, MISSING_SOFTWARE)
+
 
 @dataclass
 class ProbeResult:
@@ -25,9 +34,10 @@ class ProbeResult:
     result: str
     reason: str
     cases: list[dict[str, Any]] = field(default_factory=list)
+    skip_kind: str | None = None  # one of SKIP_KINDS when result is SKIP (see skip())
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        payload = {
             "probe": self.probe,
             "device": self.device,
             "mode": self.mode,
@@ -35,6 +45,9 @@ class ProbeResult:
             "reason": self.reason,
             "cases": _json_safe(self.cases),
         }
+        if self.skip_kind is not None:
+            payload["skip_kind"] = self.skip_kind
+        return payload
 
 
 def _json_safe(value: Any) -> Any:
@@ -48,8 +61,18 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def skip(probe: str, device: str, mode: str, reason: str) -> ProbeResult:
-    return ProbeResult(probe, device, mode, SKIP, reason, [])
+def skip(probe: str, device: str, mode: str, reason: str, kind: str = NO_DEVICE) -> ProbeResult:
+    """A SKIP with its reason and kind; the default kind goes with :func:`device_missing_reason`."""
+    if kind not in SKIP_KINDS:
+        raise ValueError(f"skip kind {kind!r} is not one of {', '.join(SKIP_KINDS)}")
+    return ProbeResult(probe, device, mode, SKIP, reason, [], skip_kind=kind)
+
+
+def fails_require_device(result: dict[str, Any]) -> bool:
+    """Whether ``--require-device`` turns this result (JSON) into a FAIL: every SKIP does, but
+    one for fewer devices than the probe's processes need, which the machine cannot change
+    (``probe all --device cuda`` on one GPU runs the rest and skips the 2-process probes)."""
+    return result["result"] == SKIP and result.get("skip_kind") != TOO_FEW_DEVICES
 
 
 class Cases:

@@ -21,7 +21,7 @@ from typing import Any
 from magistral_cli.runtime import spawn_ranks
 from magistral_cli.runtime.distributed import run_jobs
 
-from .common import FAIL, ProbeResult, device_missing_reason, skip
+from .common import FAIL, TOO_FEW_DEVICES, ProbeResult, device_missing_reason, skip
 
 #: The whole process group (start-up included) must be done within this. A rank that waits on
 #: a collective longer than ``runtime.distributed.COLLECTIVE_TIMEOUT_S`` fails instead of hanging.
@@ -85,6 +85,7 @@ def run_cp_requests(device: str, requests: list[CpRequest]) -> list[ProbeResult]
                 device,
                 request.mode,
                 f"{request.nproc} processes need {request.nproc} {device} devices, {visible} visible",
+                TOO_FEW_DEVICES,
             )
             continue
         runnable.setdefault(request.nproc, []).append(i)

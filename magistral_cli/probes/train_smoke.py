@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import FAIL, PASS, ProbeResult, device_missing_reason, skip
+from .common import FAIL, PASS, TOO_FEW_DEVICES, ProbeResult, device_missing_reason, skip
 
 PROBE = "train-smoke"
 MODES = ("default", "multi")
@@ -119,9 +119,8 @@ def run_train_smoke_probe(
     if device != "cpu":
         visible = _visible(device)
         if nproc > visible:
-            return skip(
-                PROBE, device, mode, f"--nproc {nproc} needs {nproc} {device} devices, {visible} visible"
-            )
+            reason = f"--nproc {nproc} needs {nproc} {device} devices, {visible} visible"
+            return skip(PROBE, device, mode, reason, TOO_FEW_DEVICES)
 
     with tempfile.TemporaryDirectory(prefix="magistral-train-smoke-") as tmp:
         out = Path(tmp)

@@ -104,8 +104,67 @@ def test_a_failing_cp_equivalence_exits_1_with_the_failed_case(monkeypatch):
 def test_missing_device_skips_and_require_device_fails():
     result = _invoke("split-copy", "--device", "cuda", "--json")
     assert result.exit_code == 0
-    assert json.loads(result.stdout)["result"] == "SKIP"
+    payload = json.loads(result.stdout)
+    assert (payload["result"], payload["skip_kind"]) == ("SKIP", "no_device")
     assert _invoke("split-copy", "--device", "cuda", "--require-device").exit_code == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_all_with_require_device_fails_every_probe_where_the_device_kind_is_missing():
+    result = _invoke("all", "--device", "cuda", "--require-device", "--json")
+    assert result.exit_code == 1
+    payload = json.loads(result.stdout)
+    assert len(payload) == 7
+    for p in payload:
+        assert (p["result"], p["skip_kind"]) == ("FAIL", "no_device"), p
+        assert p["reason"].startswith("skipped (no_device), which --require-device does not allow: ")
+
+
+def _one_device_visible(monkeypatch):
+    """This machine as one with a single device: the CP probes' own count of visible devices says
+    1 (on the CPU, whose processes need none, it says None), the rest of the probe code is real."""
+    from magistral_cli.probes import cp_workers
+
+    monkeypatch.setattr(cp_workers, "_visible", lambda device: 1)
+
+
+def test_require_device_lets_a_probe_skip_for_too_few_devices(monkeypatch):
+    _one_device_visible(monkeypatch)
+    result = _invoke("cp-equivalence", "--mode", "hybrid", "--device", "cpu", "--require-device", "--json")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert (payload["result"], payload["skip_kind"]) == ("SKIP", "too_few_devices")
+    assert payload["reason"] == "4 processes need 4 cpu devices, 1 visible"
+
+
+def test_all_with_require_device_passes_on_a_one_device_machine(monkeypatch):
+    """`probe all --device cuda --require-device` on one GPU: the CP probes SKIP, exit 0.
+
+    The four single-process probes are stubbed to PASS (they run for real elsewhere); the three
+    cp-equivalence modes go through the real request path with one device visible.
+    """
+    import magistral_cli.probes as probes
+
+    def passing(name, device, mode, **options):
+        return ProbeResult(name, device, mode, "PASS", "stub", [{"name": "x", "result": "PASS"}])
+
+    monkeypatch.setattr(probes, "run_probe", passing)
+    _one_device_visible(monkeypatch)
+    result = _invoke("all", "--device", "cpu", "--require-device", "--json")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert [(p["probe"], p["mode"], p["result"], p.get("skip_kind")) for p in payload] == [
+        ("vision-attention", "default", "PASS", None),
+        ("packed-attention", "default", "PASS", None),
+        ("split-copy", "default", "PASS", None),
+        ("train-smoke", "default", "PASS", None),
+        ("cp-equivalence", "ulysses", "SKIP", "too_few_devices"),
+        ("cp-equivalence", "ring", "SKIP", "too_few_devices"),
+        ("cp-equivalence", "hybrid", "SKIP", "too_few_devices"),
+    ]
+    assert payload[4]["reason"] == "2 processes need 2 cpu devices, 1 visible"
+    table = _invoke("all", "--device", "cpu", "--require-device")
+    assert table.exit_code == 0 and "1 visible" in table.output
 
 
 def test_a_failing_probe_exits_1_and_says_which(monkeypatch):

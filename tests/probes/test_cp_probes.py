@@ -224,6 +224,7 @@ def test_a_missing_device_skips_with_the_reason(probe):
     else:
         result = run_vision_attention_probe("cuda", "hybrid").to_json()
     assert (result["result"], result["cases"]) == ("SKIP", []) and "no CUDA device" in result["reason"]
+    assert result["skip_kind"] == "no_device"
 
 
 @pytest.mark.slow
