@@ -17,9 +17,18 @@ One meaning on every device, because this module calls each device's kernel with
 explicitly and never lets transformers infer them (its FlashAttention-2 path isolates samples
 whenever position ids restart in a one-row micro-batch without padding, its SDPA path never does):
 
-- CPU (and CUDA without flash-attn, and ``eager``): ``torch`` SDPA with a block-diagonal causal mask;
-- CUDA: ``flash_attn_varlen_func`` (flash-attn 2, or FlashAttention-3's ``flash_attn_interface``)
-  with ``cu_seqlens_q = cu_seqlens_k`` and ``causal=True`` over ``[total, heads, dim]``;
+- CPU (and ``eager``, fp32, and CUDA without a varlen kernel): ``torch`` SDPA with a block-diagonal
+  causal mask;
+- CUDA, bf16 / fp16: the varlen kernel ``ops.attention.varlen_kernel`` picks, called through
+  ``ops.attention.varlen_attention`` with ``cu_seqlens_q = cu_seqlens_k`` and causal over
+  ``[total, heads, dim]``: ``flash_attn_varlen_func`` (FlashAttention-3's ``flash_attn_interface``
+  when the kernel is ``flash_attention_3``, flash-attn 2) when installed, else torch's own
+  ``torch.nn.attention.varlen.varlen_attn`` (no package; sm80+, head dim a multiple of 8 up to 256,
+  no dropout). The ``sdpa`` kernel takes torch's only: it is the FlashAttention kernel behind
+  SDPA itself, without the dense mask that keeps SDPA off it. Where every row is one segment
+  (no ``cu_seqlens``, or packs that fill their rows) torch's path runs SDPA causal without a mask
+  instead (``sdpa_causal``): the same meaning, and SDPA's own kernel is faster there (cuDNN on
+  Hopper; see ``kernel_path``);
 - NPU: ``torch_npu.npu_fusion_attention`` with ``input_layout="TND"``, ``actual_seq_qlen`` and
   ``actual_seq_kvlen`` (the cumulative ends, host ints), ``sparse_mode=3`` and its 2048 x 2048
   causal mask, as the vision tower's varlen call.
@@ -38,7 +47,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .attention import NPU_ATTENTION, flash_attention_available, flash_varlen
+from .attention import (
+    NPU_ATTENTION,
+    TORCH_VARLEN,
+    VARLEN_KERNEL_NAMES,
+    VARLEN_KERNELS,
+    device_type_and_index,
+    varlen_attention,
+    varlen_kernel,
+)
 
 PREFIX = "magistral_packed_"
 #: the kernels a packed attention name can stand for
@@ -120,11 +137,17 @@ def _masked(query, key, value, ends, dropout, scaling, eager: bool):
     return out.transpose(1, 2)  # [batch, seq, heads, dim]
 
 
-def _flash(query, key, value, cu_seqlens, max_seqlen, dropout, scaling, version: int):
+def _varlen(query, key, value, cu_seqlens, max_seqlen, dropout, scaling, kernel: str):
+    """The segments through the CUDA varlen ``kernel`` (one of ``VARLEN_KERNELS``), causal."""
     batch, heads, length, dim = query.shape
     q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))
-    out = flash_varlen(q, k, v, cu_seqlens, max_seqlen, scaling, dropout, causal=True, version=version)
+    out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, scaling, dropout, causal=True, kernel=kernel)
     return out.view(batch, length, heads, dim)
+
+
+def _flash(query, key, value, cu_seqlens, max_seqlen, dropout, scaling, version: int):
+    """``_varlen`` through flash-attn 2 or FlashAttention-3 (``version``)."""
+    return _varlen(query, key, value, cu_seqlens, max_seqlen, dropout, scaling, f"flash_attention_{version}")
 
 
 def _npu(query, key, value, ends, dropout, scaling):
@@ -185,27 +208,67 @@ def packed_attention_forward(
         cu, longest = cu_seq_lens_q, max_length_q
         if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q:
             raise ValueError("packed attention: query and key segments must be the same (self-attention)")
-    path = kernel_path(kernel, query.device.type, query.dtype)
+    whole_rows = ends == tuple(length * (row + 1) for row in range(batch))
+    path = kernel_path(
+        kernel, query.device, query.dtype, head_dim=query.shape[-1], dropout=dropout, whole_rows=whole_rows
+    )
     if path == "npu":
         return _npu(query, key, value, ends, dropout, scaling), None
-    if path in ("flash_attention_2", "flash_attention_3"):
+    if path == "sdpa_causal":
+        out = F.scaled_dot_product_attention(
+            query, key, value, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=True
+        )
+        return out.transpose(1, 2), None
+    if path in VARLEN_KERNELS:
         if cu is None:
             cu = torch.tensor([0, *ends], dtype=torch.int32, device=query.device)
-        version = 3 if path == "flash_attention_3" else 2
-        return _flash(query, key, value, cu, longest, dropout, scaling, version), None
+        return _varlen(query, key, value, cu, longest, dropout, scaling, path), None
     return _masked(query, key, value, ends, dropout, scaling, eager=path == "eager"), None
 
 
-def kernel_path(kernel: str, device_type: str, dtype: torch.dtype) -> str:
-    """What runs for ``kernel`` on ``device_type`` in ``dtype``: ``npu`` (npu_fusion_attention, TND),
-    ``flash_attention_2`` / ``flash_attention_3`` (varlen; half precision on CUDA with the package
-    installed), ``eager`` or ``sdpa`` (block-diagonal causal mask; everything else)."""
-    if kernel == NPU_ATTENTION and device_type == "npu":
+#: where each packed kernel name enters ``VARLEN_KERNELS`` on CUDA (``eager`` never does)
+_FIRST_VARLEN = {
+    "flash_attention_3": "flash_attention_3",
+    "flash_attention_2": "flash_attention_2",
+    "sdpa": TORCH_VARLEN,
+}
+
+
+def kernel_path(
+    kernel: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    *,
+    head_dim: int | None,
+    dropout: float = 0.0,
+    whole_rows: bool = False,
+) -> str:
+    """What runs for ``kernel`` on ``device`` for ``dtype`` inputs of ``head_dim``: ``npu``
+    (npu_fusion_attention, TND), a CUDA varlen kernel of ``VARLEN_KERNELS`` (``varlen_kernel``'s
+    pick from the kernel's place on: ``flash_attention_3`` tries FA3 first, ``flash_attention_2``
+    flash-attn 2, ``sdpa`` torch's ``varlen_attn`` only), ``sdpa_causal`` (torch's varlen kernel
+    would run but every row is one segment, ``whole_rows``: SDPA causal without a mask, which on
+    an H200 with torch 2.11 took 2.1 ms forward + backward for 2 rows x 4096 tokens, 32 / 8 heads
+    of 128, against 4.1 ms for ``varlen_attn``), ``eager`` or ``sdpa`` (block-diagonal causal
+    mask; everything else)."""
+    if kernel == NPU_ATTENTION and device_type_and_index(device)[0] == "npu":
         return "npu"
-    half = dtype in (torch.float16, torch.bfloat16)
-    if kernel in ("flash_attention_2", "flash_attention_3") and device_type == "cuda" and half:
-        if kernel == "flash_attention_3" and flash_attention_available(3):
-            return "flash_attention_3"
-        if flash_attention_available(2):
-            return "flash_attention_2"
+    if kernel in _FIRST_VARLEN:
+        varlen = varlen_kernel(device, dtype, head_dim, dropout, first=_FIRST_VARLEN[kernel])
+        if varlen == TORCH_VARLEN and whole_rows:
+            return "sdpa_causal"
+        if varlen is not None:
+            return varlen
     return "eager" if kernel == "eager" else "sdpa"
+
+
+def path_name(path: str) -> str:
+    """What reports call a ``kernel_path`` result."""
+    if path in VARLEN_KERNEL_NAMES:
+        return VARLEN_KERNEL_NAMES[path]
+    return {
+        "npu": "torch_npu.npu_fusion_attention (TND)",
+        "eager": "eager attention with a block-diagonal causal mask",
+        "sdpa": "torch sdpa with a block-diagonal causal mask",
+        "sdpa_causal": "torch sdpa, causal, one segment a row (no mask)",
+    }[path]

@@ -6,8 +6,12 @@ stay inside each image. transformers' eager / sdpa path does that with a dense b
 is hundreds of MiB. Here attention sees the per-image sequence lengths instead:
 
 - CPU: ``scaled_dot_product_attention`` per image;
-- CUDA: FlashAttention-3's ``flash_attn_varlen_func`` (``flash_attn_interface``, from flash-attn-3)
-  when installed, else flash-attn's, else sdpa per image (FA3 has no dropout: with dropout, FA2);
+- CUDA: the varlen kernel ``ops.attention.varlen_kernel`` picks, non-causal, through
+  ``ops.attention.varlen_attention``: FlashAttention-3's ``flash_attn_varlen_func``
+  (``flash_attn_interface``, from flash-attn-3) when installed, else flash-attn's, else torch's own
+  ``torch.nn.attention.varlen.varlen_attn`` (no package; sm80+, head dim a multiple of 8 up to 256)
+  for images of fewer than ``TORCH_VARLEN_MAX_MEAN_PATCHES`` patches on average, else sdpa per
+  image (FA3 and torch's kernel have no dropout: with dropout, flash-attn 2 or sdpa);
 - NPU: ``torch_npu.npu_fusion_attention`` in the ``TND`` layout with the actual sequence lengths.
 
 fp32 inputs use sdpa per image on every device (the fused kernels take bf16 / fp16).
@@ -31,7 +35,14 @@ import torch
 import torch.nn.functional as F
 
 from magistral_cli.errors import UserError
-from magistral_cli.ops.attention import flash_attention_available, flash_varlen
+from magistral_cli.ops.attention import (
+    TORCH_VARLEN,
+    VARLEN_KERNEL_NAMES,
+    device_type_and_index,
+    varlen_attention,
+    varlen_kernel,
+)
+from magistral_cli.runtime import host_to_device
 
 #: The name in transformers' AttentionInterface. It contains "flash" on purpose: for such
 #: implementations transformers passes ``cu_seq_lens_*`` and builds no dense block mask.
@@ -52,15 +63,45 @@ def image_sequence_lengths(image_sizes: Any, patch_size: int, count: int | None 
     return lengths
 
 
-def vision_attention_backend(device: str) -> str:
-    """The kernel the tower uses on ``device`` in bf16 / fp16 (for logs and the probe's report)."""
-    if device == "npu":
+#: torch's varlen kernel runs only for images of fewer patches than this on average: SDPA per image
+#: (cuDNN on Hopper) is faster for large ones. Forward + backward on an H200, torch 2.11, bf16,
+#: 16 heads of 64: one image of 12100 patches 8.0 ms varlen_attn / 5.1 ms SDPA, 4 x 3025 2.4 / 2.1,
+#: 16 x 784 1.2 / 4.1, 64 x 256 1.2 / 14.4, 200 x 64 1.2 / 46.
+TORCH_VARLEN_MAX_MEAN_PATCHES = 2048
+
+
+def vision_attention_kernel(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    head_dim: int | None,
+    dropout: float = 0.0,
+    ends: list[int] | tuple[int, ...] | None = None,
+) -> str:
+    """What the tower's attention runs for these inputs: ``npu`` (npu_fusion_attention, bf16 /
+    fp16 on NPU), a CUDA varlen kernel of ``ops.attention.VARLEN_KERNELS`` or ``sdpa`` (per image).
+    ``ends`` (the images' end offsets) keeps torch's varlen kernel to images of fewer than
+    ``TORCH_VARLEN_MAX_MEAN_PATCHES`` patches on average; None: not known (a report).
+    ``vision_attention_forward`` decides with this very function."""
+    if device_type_and_index(device)[0] == "npu" and dtype in (torch.float16, torch.bfloat16):
+        return "npu"
+    kernel = varlen_kernel(device, dtype, head_dim, dropout) or "sdpa"
+    if kernel == TORCH_VARLEN and ends and ends[-1] >= TORCH_VARLEN_MAX_MEAN_PATCHES * len(ends):
+        return "sdpa"
+    return kernel
+
+
+def vision_attention_backend(
+    device: torch.device | str,
+    dtype: torch.dtype = torch.bfloat16,
+    head_dim: int | None = None,
+    dropout: float = 0.0,
+) -> str:
+    """The name of the kernel the tower uses on ``device`` (for logs and the probe's report); bf16
+    unless told, ``head_dim`` None: any the kernels take."""
+    kernel = vision_attention_kernel(device, dtype, head_dim, dropout)
+    if kernel == "npu":
         return "torch_npu.npu_fusion_attention(TND, actual_seq_qlen)"
-    if device == "cuda" and flash_attention_available(3):
-        return "flash_attn_interface.flash_attn_varlen_func (FlashAttention-3)"
-    if device == "cuda" and flash_attention_available(2):
-        return "flash_attn.flash_attn_varlen_func"
-    return "torch sdpa per image"
+    return VARLEN_KERNEL_NAMES.get(kernel, "torch sdpa per image")
 
 
 def _ends(cu_seq_lens: Any, total: int) -> list[int]:
@@ -93,14 +134,15 @@ def _sdpa_per_image(query, key, value, ends, dropout, scaling):
     return torch.cat(outputs, dim=2).transpose(1, 2)  # (batch, seq, heads, dim)
 
 
-def _flash_varlen(query, key, value, ends, cu_seq_lens, dropout, scaling, version):
-    """flash-attn's (version 2) or FlashAttention-3's varlen kernel over the packed images."""
+def _varlen(query, key, value, ends, cu_seq_lens, dropout, scaling, kernel):
+    """The CUDA varlen ``kernel`` (one of ``ops.attention.VARLEN_KERNELS``) over the packed images."""
     if not (isinstance(cu_seq_lens, torch.Tensor) and cu_seq_lens.device == query.device):
         cu_seq_lens = torch.tensor([0, *ends], dtype=torch.int32, device=query.device)
     cu = cu_seq_lens.to(torch.int32)
     max_len = max(b - a for a, b in zip([0, *ends], ends, strict=False))
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (seq, heads, dim)
-    return flash_varlen(q, k, v, cu, max_len, scaling, dropout, causal=False, version=version).unsqueeze(0)
+    out = varlen_attention(q, k, v, cu, max_len, scaling, dropout, causal=False, kernel=kernel)
+    return out.unsqueeze(0)
 
 
 def _npu_fusion(query, key, value, ends, dropout, scaling):
@@ -151,20 +193,13 @@ def vision_attention_forward(
         raise ValueError(
             "vision attention got a dense mask but no image lengths: call apply_vision_attention(model, device)"
         )
-    device = query.device.type
-    half = query.dtype in (torch.float16, torch.bfloat16)
-    flash = None
-    if device == "cuda" and half:
-        if flash_attention_available(3) and dropout == 0.0:
-            flash = 3
-        elif flash_attention_available(2):
-            flash = 2
-    if device == "npu" and half:
+    kernel = vision_attention_kernel(query.device, query.dtype, query.shape[-1], dropout, ends)
+    if kernel == "npu":
         out = _npu_fusion(query, key, value, ends, dropout, scaling)
-    elif flash is not None:
-        out = _flash_varlen(query, key, value, ends, cu_seq_lens_q, dropout, scaling, flash)
-    else:
+    elif kernel == "sdpa":
         out = _sdpa_per_image(query, key, value, ends, dropout, scaling)
+    else:
+        out = _varlen(query, key, value, ends, cu_seq_lens_q, dropout, scaling, kernel)
     return out, None
 
 
@@ -181,7 +216,7 @@ def _prepare_vision_attention(module, args, kwargs):
         image_sizes = [tuple(pixel_values.shape[-2:])] * pixel_values.shape[0]
     lengths = image_sequence_lengths(image_sizes, module.patch_size)
     ends = tuple(accumulate(lengths))
-    cu = torch.tensor([0, *ends], dtype=torch.int32, device=pixel_values.device)
+    cu = host_to_device(torch.tensor([0, *ends], dtype=torch.int32), pixel_values.device)
     kwargs = dict(kwargs)
     kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
     kwargs[ENDS_KWARG] = ends

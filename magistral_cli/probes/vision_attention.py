@@ -4,7 +4,10 @@ For one image, two equal images and two images of different sizes, in bf16:
 
 - forward relative L2 <= 0.015 and every input / parameter gradient <= 0.04 against running
   each image alone through transformers' eager attention (the seed's thresholds);
-- the backend really ran, once per layer, with exactly the per-image boundaries;
+- the backend really ran, once per layer, with exactly the per-image boundaries, and the kernel
+  the probe reports (``vision_attention_kernel`` for the tower's dtype, head dim and dropout: on
+  CUDA FlashAttention-3, flash-attn or torch's ``varlen_attn``, else sdpa per image) is the one that
+  ran: every layer's varlen call is recorded (``ops.attention.record_varlen_kernels``);
 - isolation: the first image's outputs have zero gradient with respect to the other images'
   pixels and stay bit-identical when those pixels change.
 
@@ -57,8 +60,35 @@ def _tower(model, device: str):
     return model.model.vision_tower.to(device=device, dtype=torch.bfloat16).eval()
 
 
-def _check_case(tower, sizes, attention_name, calls, forward_limit, gradient_limit) -> dict[str, Any]:
+def _tower_inputs(tower) -> tuple[Any, Any, int, float]:
+    """(device, dtype, head dim, dropout) of the (bf16) tower's attention: what picks its kernel."""
     import torch
+
+    config = tower.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    device = next(tower.parameters()).device
+    return device, torch.bfloat16, head_dim, getattr(config, "attention_dropout", 0.0)
+
+
+def _tower_kernel(tower) -> str:
+    """The kernel our attention runs in this tower (``vision_attention_kernel``, as the forward asks)."""
+    from magistral_cli.ops.vision_attention import vision_attention_kernel
+
+    return vision_attention_kernel(*_tower_inputs(tower))
+
+
+def _backend_name(tower) -> str:
+    from magistral_cli.ops.vision_attention import vision_attention_backend
+
+    return vision_attention_backend(*_tower_inputs(tower))
+
+
+def _check_case(
+    tower, sizes, attention_name, calls, forward_limit, gradient_limit, expected_kernel=None
+) -> dict[str, Any]:
+    import torch
+
+    from magistral_cli.ops.attention import VARLEN_KERNELS, record_varlen_kernels
 
     device = next(tower.parameters()).device
     parameters = tuple(tower.parameters())
@@ -80,7 +110,8 @@ def _check_case(tower, sizes, attention_name, calls, forward_limit, gradient_lim
 
     set_attention_implementation(tower, attention_name)
     calls.clear()
-    actual = tower(pixel_values, image_sizes=image_sizes).last_hidden_state
+    with record_varlen_kernels() as ran:
+        actual = tower(pixel_values, image_sizes=image_sizes).last_hidden_state
     actual_grads = torch.autograd.grad((actual.float() * weights.float()).sum(), (pixel_values, *parameters))
 
     lengths = [(h // tower.patch_size) * (w // tower.patch_size) for h, w in sizes]
@@ -88,6 +119,9 @@ def _check_case(tower, sizes, attention_name, calls, forward_limit, gradient_lim
     layers = tower.config.num_hidden_layers
     assert len(calls) == layers, f"the backend ran {len(calls)} times, expected once per layer ({layers})"
     assert all(c == ends for c in calls), f"attention boundaries {calls} are not the per-image ends {ends}"
+    if expected_kernel is not None:  # our backend: the kernel reported is the kernel that ran
+        expected_ran = [expected_kernel] * layers if expected_kernel in VARLEN_KERNELS else []
+        assert ran == expected_ran, f"the varlen kernels that ran, {ran}, are not {expected_ran}"
     assert actual.shape == expected.shape, f"output shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     assert torch.isfinite(actual).all() and torch.isfinite(expected).all(), "non-finite outputs"
     forward = relative_l2(actual, expected)
@@ -96,7 +130,12 @@ def _check_case(tower, sizes, attention_name, calls, forward_limit, gradient_lim
     assert all(torch.isfinite(g).all() for g in actual_grads), "non-finite gradients"
     worst = max(grad_errors)
     assert worst <= gradient_limit, f"gradient relative L2 {worst:.4g} > {gradient_limit}"
-    return {"boundaries": ends, "forward_relative_l2": forward, "max_gradient_relative_l2": worst}
+    return {
+        "boundaries": ends,
+        "forward_relative_l2": forward,
+        "max_gradient_relative_l2": worst,
+        "varlen_calls": len(ran),
+    }
 
 
 def _check_isolation(tower, sizes) -> dict[str, Any]:
@@ -153,7 +192,7 @@ def run_vision_attention_probe(
     if missing:
         return skip(PROBE, device, mode, missing)
 
-    from magistral_cli.ops.vision_attention import apply_vision_attention, vision_attention_backend
+    from magistral_cli.ops.vision_attention import apply_vision_attention
 
     if device == "npu":
         import torch_npu  # noqa: F401
@@ -162,9 +201,7 @@ def run_vision_attention_probe(
     apply_vision_attention(tower, device)
     cases = Cases()
     _run_checks(cases, tower, backend, forward_limit, gradient_limit)
-    backend_name = (
-        vision_attention_backend(device) if backend is None else getattr(backend, "__name__", "custom")
-    )
+    backend_name = _backend_name(tower) if backend is None else getattr(backend, "__name__", "custom")
     for case in cases.cases:
         case["backend"] = backend_name
     return cases.result(
@@ -191,6 +228,7 @@ def _run_checks(
     from magistral_cli.ops.vision_attention import ATTENTION_NAME, vision_attention_forward
 
     implementation = backend or vision_attention_forward
+    expected_kernel = _tower_kernel(tower) if backend is None else None
     calls: list[list[int]] = []
 
     def traced(module, query, key, value, attention_mask, **kwargs):
@@ -215,7 +253,7 @@ def _run_checks(
                 f"numerics {len(sizes)} image(s) {sizes}",
                 guarded(
                     lambda sizes=sizes: _check_case(
-                        tower, sizes, ATTENTION_NAME, calls, forward_limit, gradient_limit
+                        tower, sizes, ATTENTION_NAME, calls, forward_limit, gradient_limit, expected_kernel
                     )
                 ),
                 sizes=sizes,
@@ -263,7 +301,7 @@ def run_rank_job(
     import torch.distributed as dist
 
     from magistral_cli.ops.context_parallel import apply_context_parallel
-    from magistral_cli.ops.vision_attention import apply_vision_attention, vision_attention_backend
+    from magistral_cli.ops.vision_attention import apply_vision_attention
     from magistral_cli.runtime import device_type_of_backend
 
     from .cp_harness import cp_meshes_for
@@ -283,7 +321,7 @@ def run_rank_job(
         cases, tower, backend, forward_limit, gradient_limit, guard=lambda: _no_cp_communication(groups)
     )
     cases.run("replicated outputs", lambda: _check_replicated(tower, groups))
-    name = vision_attention_backend(device) if backend is None else backend.__name__
+    name = _backend_name(tower) if backend is None else backend.__name__
     return {"cases": cases.cases, "backend": name}
 
 

@@ -7,6 +7,7 @@ installed it. Nothing is imported from them; detection only looks.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import logging
 
@@ -14,8 +15,26 @@ import pytest
 from transformers.modeling_flash_attention_utils import FLASH_ATTENTION_COMPATIBILITY_MATRIX
 from transformers.utils import import_utils
 
+from magistral_cli.ops import attention
 from magistral_cli.ops.attention import flash_attention_available, resolve_attention
 from magistral_cli.ops.vision_attention import vision_attention_backend
+
+_patch = None
+
+
+def _clear_detection_caches(monkeypatch=None) -> None:
+    """Our detection cache and transformers': >= 5.23 caches the module -> distribution map in a
+    function, 5.17-5.22 in a module constant computed at import (recomputed here)."""
+    global _patch
+    _patch = monkeypatch or _patch
+    flash_attention_available.cache_clear()
+    cached = getattr(import_utils, "_package_distribution_mapping", None)
+    if cached is not None:
+        cached.cache_clear()
+    else:
+        _patch.setattr(
+            import_utils, "PACKAGE_DISTRIBUTION_MAPPING", importlib.metadata.packages_distributions()
+        )
 
 
 @pytest.fixture
@@ -24,10 +43,12 @@ def site(tmp_path, monkeypatch):
     for module in ("flash_attn", "flash_attn_interface"):
         assert importlib.util.find_spec(module) is None, f"{module} is really installed here"
     monkeypatch.syspath_prepend(str(tmp_path))
+    # These cases are about the flash-attn packages; on a CUDA machine torch's own varlen kernel
+    # would answer where they are absent (tests/ops/test_torch_varlen.py covers that choice).
+    monkeypatch.setattr(attention, "torch_varlen_api", lambda *a, **k: None)
 
     def clear():
-        flash_attention_available.cache_clear()
-        import_utils._package_distribution_mapping.cache_clear()
+        _clear_detection_caches(monkeypatch)
 
     clear()
     yield tmp_path
@@ -44,8 +65,7 @@ def _install(site, module, distribution=None):
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 0.0.0\n")
         (info / "top_level.txt").write_text(module + "\n")
-    flash_attention_available.cache_clear()
-    import_utils._package_distribution_mapping.cache_clear()
+    _clear_detection_caches()
 
 
 def _transformers_finds(version):
