@@ -12,6 +12,9 @@ model owns both the embedding and the head. Its default (``MistralConfig``) is u
 real config builds untied; a model whose ``text_config`` ties (Ministral-3 3B, say) trains and
 exports tied. Every place that builds a model from a config goes through this module: the
 engine, ``convert validate`` / export, the probes, the quickstart and the memory plan.
+
+The model-FLOPs count (:func:`training_flops_per_token`, :func:`training_flops`) lives here too:
+the trainer's ``tflops_per_gpu`` / ``mfu`` and the tests read it from the same config.
 """
 
 from __future__ import annotations
@@ -106,3 +109,55 @@ def parameter_counts(model, frozen_prefixes: list[str] | None = None) -> dict[st
         elif not name.startswith(prefixes):
             trainable += n
     return {"total": total, "trainable": trainable, "frozen": total - trainable}
+
+
+# --------------------------------------------------------------------------- model FLOPs
+
+
+def _text(config):
+    """The decoder's config: ``text_config`` of a Mistral3 config, or the text config itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _head_dim(text) -> int:
+    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
+def matmul_parameters(config) -> int:
+    """The weights each trained token is multiplied by: q, k, v, o and the gate / up / down
+    projections of every decoder layer, plus the output head (tied or not, it is one matmul).
+
+    Not the embedding (a lookup), the norms (elementwise) or the vision tower and projector
+    (frozen in the seed's recipes). The sizes are the config's; a model built from it holds
+    exactly these weights (``tests/test_model_flops.py`` counts them with :func:`parameter_counts`).
+    """
+    text = _text(config)
+    hidden, heads, kv_heads = text.hidden_size, text.num_attention_heads, text.num_key_value_heads
+    head_dim = _head_dim(text)
+    attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o; k, v
+    mlp = 3 * hidden * text.intermediate_size  # gate, up, down
+    return text.num_hidden_layers * (attention + mlp) + text.vocab_size * hidden
+
+
+def training_flops_per_token(config, seq_len: int) -> int:
+    """Model FLOPs of training one token of a ``seq_len``-token sequence (forward and backward).
+
+    ``6 x matmul_parameters + 6 x layers x heads x head_dim x seq_len``: 2 FLOPs per
+    multiply-add, times 3 for the forward and the two backward products; the attention term is
+    QK^T and AV over the causal half of the score matrix (Megatron's and PaLM's model-FLOPs count
+    with the causal halving). Recompute, padding and the frozen vision tower are not counted: this
+    is the work the model needs, not what the device ran (MFU's numerator).
+    """
+    text = _text(config)
+    attention = 6 * text.num_hidden_layers * text.num_attention_heads * _head_dim(text) * int(seq_len)
+    return 6 * matmul_parameters(text) + attention
+
+
+def training_flops(config, lengths) -> int:
+    """Model FLOPs of training the sequences of ``lengths`` tokens each (an exact integer):
+    the sum of ``6 x matmul_parameters x n + 6 x layers x heads x head_dim x n^2``."""
+    text = _text(config)
+    lengths = [int(n) for n in lengths]
+    per_token = 6 * matmul_parameters(text)
+    attention = 6 * text.num_hidden_layers * text.num_attention_heads * _head_dim(text)
+    return per_token * sum(lengths) + attention * sum(n * n for n in lengths)

@@ -7,8 +7,9 @@ Known formats (``detect_format`` names them):
     (``wall_s``) when the run finished (DESIGN.md, "Run directory").
 ``metrics-jsonl``
     A ``metrics.jsonl`` file on its own: one JSON object per logged step with at least ``step``;
-    ``loss``, ``step_time_ms``, ``peak_allocated_mib``, ``peak_reserved_mib`` and ``alloc_retries``
-    are read where present (``null`` = not logged). A ``summary.json`` next to it supplies ``wall_s``.
+    ``loss``, ``step_time_ms``, ``tflops_per_gpu``, ``mfu``, ``peak_allocated_mib``,
+    ``peak_reserved_mib`` and ``alloc_retries`` are read where present (``null`` or absent = not
+    logged). A ``summary.json`` next to it supplies ``wall_s``.
 ``mindspeed-fsdp2-log``
     Standard output of MindSpeed-MM's FSDP2 trainer (``mindspeed_mm/fsdp/train/trainer.py``, the
     seed's "pure FSDP2" backend). Its ``TrainEngine.training_log`` prints one line per logged step::
@@ -24,6 +25,8 @@ Known formats (``detect_format`` names them):
     the seed's baseline): the same ``iteration N/ M | key: value | ...`` lines with ``lm loss:``
     instead of ``loss:``, and ``number of skipped iterations`` / ``number of nan iterations`` fields
     (an iteration counted as NaN prints no loss; it is read as a NaN loss), and the same memory lines.
+    With ``--log-throughput`` a line also carries ``throughput per GPU (TFLOP/s/GPU): 123.4`` (newer
+    Megatron: ``compute per GPU (TFLOP/s/GPU): 123.4 (avg 123.0)``), read as ``tflops_per_gpu``.
 
 In both text formats the ``key: value`` fields may come in any order, any text (a timestamp, a
 ``[rank0]:`` prefix) may precede ``iteration``, and other lines are ignored. Memory is in MB of
@@ -57,6 +60,9 @@ KNOWN_FORMATS = {
 }
 
 _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|(.*)$")
+#: Megatron's model TFLOP/s per GPU (``--log-throughput``): the older key, then the newer one.
+_THROUGHPUT_KEYS = ("throughput per GPU (TFLOP/s/GPU)", "compute per GPU (TFLOP/s/GPU)")
+_LEADING_NUMBER = re.compile(r"^\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)")
 _MEMORY = re.compile(r"memory \(MB\)\s*\|(.*)$")
 
 
@@ -66,6 +72,8 @@ class StepRecord:
 
     loss: float | None = None
     step_time_ms: float | None = None
+    tflops_per_gpu: float | None = None
+    mfu: float | None = None
     peak_allocated_mib: float | None = None
     peak_reserved_mib: float | None = None
     alloc_retries: int | None = None
@@ -230,6 +238,8 @@ def _read_metrics_jsonl(path: Path) -> RunLog:
             StepRecord(
                 loss=_number(record.get("loss")),
                 step_time_ms=_number(record.get("step_time_ms")),
+                tflops_per_gpu=_number(record.get("tflops_per_gpu")),
+                mfu=_number(record.get("mfu")),
                 peak_allocated_mib=_number(record.get("peak_allocated_mib")),
                 peak_reserved_mib=_number(record.get("peak_reserved_mib")),
                 alloc_retries=None if retries is None or math.isnan(retries) else int(retries),
@@ -281,6 +291,15 @@ def _fields(text: str) -> dict[str, str]:
     return out
 
 
+def _throughput(fields: dict[str, str]) -> float | None:
+    """Megatron's TFLOP/s per GPU of one line (the leading number: ``496.3 (avg 496.1)`` -> 496.3)."""
+    for key in _THROUGHPUT_KEYS:
+        match = _LEADING_NUMBER.match(fields.get(key, ""))
+        if match:
+            return float(match.group(1))
+    return None
+
+
 def _read_text_log(path: Path, fmt: str) -> RunLog:
     loss_key = "lm loss" if fmt == "megatron-log" else "loss"
     steps: dict[int, StepRecord] = {}
@@ -295,7 +314,9 @@ def _read_text_log(path: Path, fmt: str) -> RunLog:
             if loss is None and (_number(fields.get("number of nan iterations")) or 0) > 0:
                 loss = math.nan  # Megatron prints no loss for an iteration it counted as NaN
             record = StepRecord(
-                loss=loss, step_time_ms=_number(fields.get("elapsed time per iteration (ms)"))
+                loss=loss,
+                step_time_ms=_number(fields.get("elapsed time per iteration (ms)")),
+                tflops_per_gpu=_throughput(fields),
             )
             _store(steps, duplicates, int(match.group(1)), record)
             continue

@@ -12,6 +12,10 @@ Validation losses (``"split": "val"`` records of metrics.jsonl) are compared whe
 them, with the training loss's definition and threshold on the validation steps both runs logged;
 that check joins the verdict (``validation`` in the report, ``None`` when a run has no validation).
 
+Throughput (``tflops_per_gpu``, model TFLOP/s per device, and ``mfu``) is reported beside the step
+time, over the same steps: each run's mean of the values it logged (metrics.jsonl from ``magistral
+train``, Megatron's ``throughput per GPU``), never judged; a run that logged none reports null.
+
 Values that are NaN, infinite or missing are never averaged: the steps that carry them are left
 out of the statistic, listed in the report and named in its ``warnings``. A non-finite candidate
 loss on a compared step fails the loss check.
@@ -166,6 +170,7 @@ def compare_runs(
 
     loss = _loss_report(steps, b_rec, c_rec, criteria["loss_threshold"], warnings, failures)
     step_time = _step_time_report(steps, b_rec, c_rec, criteria, warnings, failures)
+    throughput = _throughput_report(steps, b_rec, c_rec, criteria["skip_steps"])
     validation = _validation_report(baseline, candidate, criteria["loss_threshold"], warnings, failures)
 
     report = {
@@ -175,6 +180,7 @@ def compare_runs(
         "criteria": criteria,
         "loss": loss,
         "step_time_ms": step_time,
+        "throughput": throughput,
         "validation": validation,
         "memory_mib": {
             "baseline": {
@@ -419,6 +425,33 @@ def resolve_criteria(
         "set_by_flag": flags,
         "description": f"{head}: {text}",
     }
+
+
+def throughput_summary(records) -> dict | None:
+    """Mean ``tflops_per_gpu`` and ``mfu`` of ``records`` over the finite values (each with its step
+    count); None when no record has a ``tflops_per_gpu``."""
+    tflops = [r.tflops_per_gpu for r in records if _finite(r.tflops_per_gpu)]
+    if not tflops:
+        return None
+    mfu = [r.mfu for r in records if _finite(r.mfu)]
+    return {
+        "tflops_per_gpu": statistics.fmean(tflops),
+        "mfu": statistics.fmean(mfu) if mfu else None,
+        "steps": len(tflops),
+        "mfu_steps": len(mfu),
+    }
+
+
+def _throughput_report(steps, b_rec, c_rec, skip_steps: int) -> dict:
+    """Each run's mean model TFLOP/s per device and MFU over the common steps after ``skip_steps``
+    (the step time's window), and the candidate / baseline ratio of the TFLOP/s means. Reported only."""
+    after = [i for i, s in enumerate(steps) if s > skip_steps]
+    baseline = throughput_summary([b_rec[i] for i in after])
+    candidate = throughput_summary([c_rec[i] for i in after])
+    ratio = None
+    if baseline and candidate and baseline["tflops_per_gpu"]:
+        ratio = candidate["tflops_per_gpu"] / baseline["tflops_per_gpu"]
+    return {"skip_steps": skip_steps, "baseline": baseline, "candidate": candidate, "tflops_ratio": ratio}
 
 
 def _step_time_report(steps, b_rec, c_rec, criteria, warnings, failures) -> dict:

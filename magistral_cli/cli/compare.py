@@ -32,7 +32,8 @@ def register(app: typer.Typer) -> None:
 _HELP = (
     "Compare loss and step time of two runs or logs, with a verdict.\n\n"
     "Loss: sum|candidate - baseline| / sum|baseline| over the common steps, at most --loss-threshold. "
-    "Step time: mean / median / p95 after --skip-steps, and the candidate/baseline ratio of the means.\n\n"
+    "Step time: mean / median / p95 after --skip-steps, and the candidate/baseline ratio of the means; "
+    "beside it the mean model TFLOP/s per device and MFU where the runs logged them (reported, not judged).\n\n"
     f"Default verdict, the seed's: when the common steps go past step {SEED_WARMUP_STEPS}, loss within "
     f"{DEFAULT_LOSS_THRESHOLD:.0%} and the mean step time of steps {SEED_WARMUP_STEPS + 1}.. at most "
     f"{SEED_MAX_STEP_TIME_RATIO:g} x the baseline's. Shorter runs: the loss alone, step times after step "
@@ -173,6 +174,7 @@ def _render(result: Comparison) -> None:
         table.add_row(f"step time {stat} (ms)", _fmt(b.get(stat), ".1f"), _fmt(c.get(stat), ".1f"), "")
     limit = f"<= {times['max_ratio']:g} " if times["max_ratio"] is not None else ""
     table.add_row("step time ratio", "", _fmt(times["mean_ratio"], ".3f"), f"{limit}{ok(times['pass'])}")
+    _throughput_rows(table, r.get("throughput"))
     for key, label in (("peak_allocated", "peak allocated (MiB)"), ("peak_reserved", "peak reserved (MiB)")):
         table.add_row(label, _fmt(memory["baseline"][key], ".0f"), _fmt(memory["candidate"][key], ".0f"), "")
     retries = r["alloc_retries"]
@@ -185,6 +187,25 @@ def _render(result: Comparison) -> None:
     for failure in r["failures"]:
         console.print(f"[red]fail:[/] {escape(failure)}", soft_wrap=True)
     console.print("[bold green]PASS[/]" if result.passed else "[bold red]FAIL[/]")
+
+
+def _throughput_rows(table: Table, throughput: dict | None) -> None:
+    """Mean model TFLOP/s per device and MFU (same steps as the step times): only when a run logged them."""
+    if not throughput or not (throughput["baseline"] or throughput["candidate"]):
+        return
+    b, c = throughput["baseline"] or {}, throughput["candidate"] or {}
+
+    def tflops(value) -> str:  # one decimal as Megatron prints it; 3 significant digits below 1 (CPU runs)
+        return _fmt(value, ".1f" if value is None or value >= 1 else ".3g")
+
+    table.add_row(
+        "TFLOP/s per device (mean)",
+        tflops(b.get("tflops_per_gpu")),
+        tflops(c.get("tflops_per_gpu")),
+        f"ratio {_fmt(throughput['tflops_ratio'], '.3f')}" if throughput["tflops_ratio"] is not None else "",
+    )
+    if b.get("mfu") is not None or c.get("mfu") is not None:
+        table.add_row("MFU (mean)", _fmt(b.get("mfu"), ".2%"), _fmt(c.get("mfu"), ".2%"), "")
 
 
 def _validation_rows(table: Table, val: dict | None, ok) -> None:

@@ -92,3 +92,19 @@ class PixtralCollator:
             out["pixel_values"] = torch.from_numpy(pixels)
             out["image_sizes"] = torch.from_numpy(sizes)
         return out
+
+
+def sequence_lengths(attention_mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> list[int]:
+    """The real-token lengths of a micro-batch's causal sequences (host tensors, no device work).
+
+    Without ``cu_seqlens`` each row is one sequence (its non-padding tokens). With it, each
+    attention segment is one (a neat pack's samples; a plain pack's rows); padding segments, which
+    hold no real token, are left out.
+    """
+    mask = attention_mask.bool()
+    if cu_seqlens is None:
+        return [int(n) for n in mask.sum(dim=1).tolist() if n]
+    bounds = cu_seqlens.to(torch.int64)
+    segment = torch.repeat_interleave(torch.arange(len(bounds) - 1), bounds[1:] - bounds[:-1])
+    counts = torch.bincount(segment[mask.reshape(-1)], minlength=len(bounds) - 1)
+    return [int(n) for n in counts.tolist() if n]

@@ -1,4 +1,5 @@
-"""Run-directory metrics (``metrics.jsonl``, ``summary.json``) and the rank-0 progress line."""
+"""Run-directory metrics (``metrics.jsonl``, ``summary.json``), the step's model FLOPs and
+throughput, and the rank-0 progress line."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from magistral_cli.runtime import device_module
+from magistral_cli.data.collator import sequence_lengths
+from magistral_cli.model_config import training_flops
+from magistral_cli.runtime import device_module, device_peak_tflops
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +29,39 @@ FIELDS = (
     "peak_allocated_mib",
     "peak_reserved_mib",
     "alloc_retries",
+    "flops_per_token",
+    "tflops_per_gpu",
+    "mfu",
 )
+#: The unit a rank's model FLOPs travel in through the step's int64 count all-reduce (the
+#: trainer's ``counts``): 6 FLOPs, the factor every term of ``training_flops`` has, so the count stays
+#: exact whatever the micro-batch split, and a step's global sum may reach 5.5e19 FLOPs (3.9e8
+#: tokens of Magistral-Small-2509 at 4096 a sequence).
+FLOP_UNIT = 6
+
+
+def micro_batch_flops(config, micro_batch: dict[str, Any]) -> int:
+    """Model FLOPs of training one host micro-batch (``model_config.training_flops``): each
+    non-padding row, or with ``cu_seqlens`` each attention segment (a neat pack's samples), is a
+    sequence. Read from host tensors: no device synchronisation."""
+    lengths = sequence_lengths(micro_batch["attention_mask"], micro_batch.get("cu_seqlens"))
+    return training_flops(config, lengths)
+
+
+def peak_tflops(device_type: str, override: float | None = None) -> float | None:
+    """MFU's denominator: ``tools.peak_tflops``, else this device's dense bf16 peak, else None."""
+    return override if override is not None else device_peak_tflops(device_type)
+
+
+def throughput(flops: int, tokens: int, step_s: float, world_size: int, peak: float | None) -> dict[str, Any]:
+    """The step's ``flops_per_token``, ``tflops_per_gpu`` (model TFLOP/s per device, as Megatron
+    prints it: global model FLOPs / (step time x devices)) and ``mfu`` (/ ``peak``; None unknown)."""
+    tflops = flops / (step_s * world_size) / 1e12 if step_s > 0 else None
+    return {
+        "flops_per_token": round(flops / tokens) if tokens else None,
+        "tflops_per_gpu": None if tflops is None else float(f"{tflops:.6g}"),
+        "mfu": None if tflops is None or not peak else float(f"{tflops / peak:.6g}"),
+    }
 
 
 def memory_stats(device_type: str) -> dict[str, Any]:
@@ -143,6 +178,11 @@ def _loss_text(loss: float | None) -> str:
     return "nan" if loss is None else f"{loss:.4f}"
 
 
+def _tflops_text(tflops: float) -> str:
+    """TFLOP/s for the progress line: one decimal as Megatron prints it, 3 significant digits below 1."""
+    return f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.3g}"
+
+
 def _eta(seconds: float) -> str:
     seconds = max(0, int(seconds))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
@@ -191,10 +231,15 @@ class Progress:
 
     def _info(self, record: dict[str, Any]) -> str:
         val = f"  val {_loss_text(self.val_loss)}" if self._validated else ""
-        return (
+        info = (
             f"loss {_loss_text(record['loss'])}{val}  lr {record['lr']:.2e}  {record['step_time_ms']:.0f} ms/step"
             f"  {record['tokens_per_s']:.0f} tok/s"
         )
+        if record.get("tflops_per_gpu") is not None:
+            info += f"  {_tflops_text(record['tflops_per_gpu'])} TFLOP/s/dev"
+        if record.get("mfu") is not None:
+            info += f"  MFU {record['mfu']:.1%}"
+        return info
 
     def validation(self, record: dict[str, Any]) -> None:
         """After an evaluation: one line ``step N validation loss L (S samples)``; from then on the

@@ -8,11 +8,16 @@ from the rest of the package except ``errors``.
 
 from magistral_cli.runtime.device import (
     BACKENDS,
+    BF16_PEAK_TFLOPS,
     DTYPES,
     detect_device,
     device_module,
+    device_name,
+    device_peak_tflops,
     device_type_of_backend,
+    host_to_device,
     parse_dtype,
+    peak_tflops_of,
     resolve_device_type,
     set_device,
 )
@@ -25,14 +30,19 @@ from magistral_cli.runtime.distributed import (
 
 __all__ = [
     "BACKENDS",
+    "BF16_PEAK_TFLOPS",
     "DTYPES",
     "destroy_distributed",
     "detect_device",
     "device_module",
+    "device_name",
+    "device_peak_tflops",
     "device_type_of_backend",
+    "host_to_device",
     "finish_rank_process",
     "init_distributed",
     "parse_dtype",
+    "peak_tflops_of",
     "resolve_device_type",
     "set_device",
     "spawn_ranks",

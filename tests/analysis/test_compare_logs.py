@@ -53,6 +53,8 @@ def test_megatron_log(tmp_path):
     assert [run.steps[s].loss for s in (1, 2, 4)] == [1.8345, 1.234, 1.1]
     assert math.isnan(run.steps[3].loss)  # counted as a NaN iteration: no loss printed
     assert [run.steps[s].step_time_ms for s in (1, 2, 3, 4)] == [9123.4, 1987.7, 1990.1, 1985.0]
+    assert [run.steps[s].tflops_per_gpu for s in (1, 2, 3, 4)] == [50.1, 230.2, 229.9, 230.5]
+    assert all(run.steps[s].mfu is None for s in (1, 2, 3, 4))  # Megatron prints no MFU
     # max over the ranks that reported memory
     assert run.peak_allocated_mib == 51300.75
     assert run.peak_reserved_mib == 60100.0
@@ -70,6 +72,7 @@ def test_fsdp2_trainer_log_reads_only_the_loss_field(tmp_path):
     assert run.steps[2].loss == 1.24  # not "aux loss" nor "mtp_1 loss"
     assert math.isnan(run.steps[3].loss)  # printed as NAN
     assert [run.steps[s].step_time_ms for s in (1, 2, 3)] == [8000.0, 1900.5, 1899.5]
+    assert all(run.steps[s].tflops_per_gpu is None for s in (1, 2, 3))  # it prints no throughput
     assert (run.peak_allocated_mib, run.peak_reserved_mib) == (40960.5, 47000.0)
 
 
@@ -215,3 +218,29 @@ def test_the_issue_example_line_shape(tmp_path):
         10: (1.234, 1987.7),
         11: (1.2, 1990.0),
     }
+
+
+def test_newer_megatron_compute_per_gpu_field(tmp_path):
+    """Newer Megatron prints ``compute per GPU (TFLOP/s/GPU): 496.3 (avg 496.1)``: the first number."""
+    line = (
+        " [2026-01-01 00:00:00] iteration        7/      10 | consumed samples:           56 |"
+        " elapsed time per iteration (ms): 1500.0 | compute per GPU (TFLOP/s/GPU): 496.3 (avg 496.1) |"
+        " lm loss: 1.500000E+00 | number of skipped iterations:   0 | number of nan iterations:   0 |"
+    )
+    path = tmp_path / "megatron.log"
+    path.write_text(line + "\n")
+    assert read_run(path).steps[7].tflops_per_gpu == 496.3
+
+
+def test_metrics_jsonl_throughput_fields(tmp_path):
+    records = [
+        {"step": 1, "loss": 2.0, "tflops_per_gpu": 412.5, "mfu": 0.417},
+        {"step": 2, "loss": 2.0, "tflops_per_gpu": 0.00123, "mfu": None},  # CPU: no peak
+        {"step": 3, "loss": 2.0},  # a run from before these fields
+    ]
+    run = read_run(write_run_dir(tmp_path / "run", records))
+    assert [(run.steps[s].tflops_per_gpu, run.steps[s].mfu) for s in (1, 2, 3)] == [
+        (412.5, 0.417),
+        (0.00123, None),
+        (None, None),
+    ]

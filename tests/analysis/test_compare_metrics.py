@@ -80,6 +80,13 @@ def test_full_comparison_of_logs_of_different_lengths(tmp_path):
         assert stats["p95"] == pytest.approx(np.percentile(values, 95))
     assert r["step_time_ms"]["mean_ratio"] == pytest.approx(ct.mean() / bt.mean())
     assert r["step_time_ms"]["pass"] is None  # not asked for
+    # Megatron's "throughput per GPU" beside the step time; the candidate logged none (an older run).
+    assert r["throughput"] == {
+        "skip_steps": 10,
+        "baseline": {"tflops_per_gpu": pytest.approx(123.4), "mfu": None, "steps": 30, "mfu_steps": 0},
+        "candidate": None,
+        "tflops_ratio": None,
+    }
 
     assert r["memory_mib"]["candidate"] == {"peak_allocated": 400.0, "peak_reserved": 800.0}
     assert r["memory_mib"]["baseline"] == {"peak_allocated": None, "peak_reserved": None}
@@ -243,3 +250,41 @@ def test_the_seeds_step_time_check_on_logs_without_step_times_is_reported_not_ap
     assert any("seed's step-time check was not applied" in w for w in result.report["warnings"])
     with pytest.raises(UserError, match="--max-step-time-ratio needs step times"):
         compare_runs(untimed, untimed, max_step_time_ratio=1.0)  # asked for explicitly: bad input
+
+
+def test_throughput_means_over_the_step_time_window(tmp_path):
+    """Mean TFLOP/s per device and MFU after --skip-steps, null and NaN left out, never judged."""
+    rng = np.random.default_rng(3)
+    tflops = {s: float(rng.uniform(300, 400)) for s in range(1, 13)}
+    b_records = [{"step": s, "loss": 2.0, "step_time_ms": 100.0, "tflops_per_gpu": tflops[s],
+                  "mfu": tflops[s] / 989} for s in range(1, 13)]  # fmt: skip
+    b_records[4]["tflops_per_gpu"] = None  # step 5: not logged (its mfu still counts for the mfu mean)
+    b_records[5]["mfu"] = None  # step 6: no peak known
+    c_records = [{"step": s, "loss": 2.0, "step_time_ms": 90.0, "tflops_per_gpu": 1.1 * tflops[s],
+                  "mfu": float("nan") if s == 7 else 1.1 * tflops[s] / 989} for s in range(1, 13)]  # fmt: skip
+    baseline = read_run(write_run_dir(tmp_path / "b", b_records))
+    candidate = read_run(write_run_dir(tmp_path / "c", c_records))
+    r = compare_runs(baseline, candidate, skip_steps=2).report["throughput"]
+    window = range(3, 13)
+    b_tflops = [tflops[s] for s in window if s != 5]
+    b_mfu = [tflops[s] / 989 for s in window if s != 6]
+    c_tflops = [1.1 * tflops[s] for s in window]
+    c_mfu = [1.1 * tflops[s] / 989 for s in window if s != 7]
+    assert r["skip_steps"] == 2
+    assert r["baseline"] == {"tflops_per_gpu": pytest.approx(np.mean(b_tflops)), "mfu": pytest.approx(np.mean(b_mfu)),
+                             "steps": 9, "mfu_steps": 9}  # fmt: skip
+    assert r["candidate"] == {"tflops_per_gpu": pytest.approx(np.mean(c_tflops)), "mfu": pytest.approx(np.mean(c_mfu)),
+                              "steps": 10, "mfu_steps": 9}  # fmt: skip
+    assert r["tflops_ratio"] == pytest.approx(np.mean(c_tflops) / np.mean(b_tflops))
+
+
+def test_runs_without_throughput_still_compare():
+    b = {s: 2.0 + 0.01 * s for s in range(1, 6)}
+    report = compare_runs(make_run(b), make_run(b)).report
+    assert report["pass"] is True
+    assert report["throughput"] == {
+        "skip_steps": 1,
+        "baseline": None,
+        "candidate": None,
+        "tflops_ratio": None,
+    }

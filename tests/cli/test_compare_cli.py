@@ -60,9 +60,12 @@ def test_pass_with_json_shape(runs):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)  # stdout holds the JSON object and nothing else
     assert list(report) == [
-        "baseline", "candidate", "steps_compared", "criteria", "loss", "step_time_ms", "validation",
-        "memory_mib", "alloc_retries", "wall_s", "warnings", "failures", "pass",
+        "baseline", "candidate", "steps_compared", "criteria", "loss", "step_time_ms", "throughput",
+        "validation", "memory_mib", "alloc_retries", "wall_s", "warnings", "failures", "pass",
     ]  # fmt: skip
+    # these runs' metrics.jsonl predate tflops_per_gpu / mfu: nothing to report, no table row
+    assert report["throughput"]["baseline"] is None and report["throughput"]["candidate"] is None
+    assert "TFLOP/s" not in result.stderr
     assert report["validation"] is None  # neither run logged validation losses
     assert set(report["loss"]) >= {
         "normalized_mean_abs_diff", "relative_error_mean", "relative_error_max",
@@ -193,6 +196,10 @@ def test_megatron_log_against_a_run_directory(runs, tmp_path):
     assert report["baseline"]["format"] == "megatron-log"
     assert report["steps_compared"] == 16
     assert report["memory_mib"]["baseline"] == {"peak_allocated": 5100.0, "peak_reserved": 6000.0}
+    # Megatron's throughput per GPU beside the step time; the candidate logged none
+    assert report["throughput"]["baseline"]["tflops_per_gpu"] == pytest.approx(123.4)
+    assert report["throughput"]["candidate"] is None
+    assert "TFLOP/s per device (mean)" in result.stderr and "123.4" in result.stderr
 
 
 def test_fsdp2_trainer_log_with_nan_fails(runs, tmp_path):

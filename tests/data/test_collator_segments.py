@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from magistral_cli.data.collator import PixtralCollator
+from magistral_cli.data.collator import PixtralCollator, sequence_lengths
 
 
 def _item(*lengths):
@@ -46,3 +46,17 @@ def test_lengths_that_do_not_add_up_are_refused():
         PixtralCollator(0, segments="samples")([bad])
     with pytest.raises(ValueError, match="segments must be one of"):
         PixtralCollator(0, segments="tokens")
+
+
+def test_sequence_lengths_are_the_causal_sequences_real_tokens():
+    """What the step's model FLOPs are counted over: rows, or a pack's segments, never padding."""
+    items = [_item(3, 4), _item(2, 2, 5)]
+    plain_rows = PixtralCollator(0)(items)
+    assert sequence_lengths(plain_rows["attention_mask"]) == [7, 9]
+    neat = PixtralCollator(0, pad_to_multiple_of=8, segments="samples")(items)  # rows of 16, padded
+    assert sequence_lengths(neat["attention_mask"], neat["cu_seqlens"]) == [3, 4, 2, 2, 5]
+    rows = PixtralCollator(0, pad_to_multiple_of=8, segments="rows")(items)
+    assert sequence_lengths(rows["attention_mask"], rows["cu_seqlens"]) == [7, 9]
+    empty = plain_rows["attention_mask"].clone()
+    empty[0] = 0  # a filler row without real tokens is no sequence
+    assert sequence_lengths(empty) == [9]

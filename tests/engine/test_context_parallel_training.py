@@ -20,6 +20,8 @@ from magistral_cli.runtime import spawn_ranks
 
 from .helpers import make_recipe, write_tiny_model
 
+pytestmark = pytest.mark.compat
+
 STEPS = 4
 CP_ULYSSES = ["parallel.ulysses_parallel_size=2"]
 # Ring with the trainer's chunked loss: the chunks split each rank's local sequence again.
@@ -50,7 +52,9 @@ def _train(model_dir: Path, run_dir: Path, overrides: list[str], max_steps: int 
         }
     finally:
         trainer.close()
-    return [[r[k] for r in records] for k in ("loss", "grad_norm", "tokens")] + [info]
+    # "tokens": each step's (non-padding tokens, model FLOPs), both counted once per dp replica.
+    tokens = [[r["tokens"], r["model_flops"]] for r in records]  # lists: the ranks return JSON
+    return [[r[k] for r in records] for k in ("loss", "grad_norm")] + [tokens, info]
 
 
 def _worker(rank: int, model_dir: str, out_dir: str) -> dict:
@@ -116,7 +120,7 @@ def test_ulysses_and_ring_training_equal_cp1_and_resume_exactly(tmp_path):
         assert losses == pytest.approx(reference, rel=1e-5), name
         # The gradient norm over the dp x cp shards is the CP=1 one (so clipping is too).
         assert norms == pytest.approx(ref_norms, rel=1e-4), name
-        # Tokens are counted once per data-parallel replica, not once per CP rank.
+        # Tokens and model FLOPs are counted once per data-parallel replica, not once per CP rank.
         assert tokens == ref_tokens, name
         assert ranks[1][name][3] == info
     # Resuming from the step-2 CP checkpoint continues exactly (same process layout, same numbers).

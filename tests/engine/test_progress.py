@@ -1,11 +1,13 @@
-"""Rank 0's progress line, and the validation loss it shows after an evaluation."""
+"""Rank 0's progress line, the validation loss it shows after an evaluation, and the throughput it shows."""
 
 from __future__ import annotations
 
 import io
 import sys
 
-from magistral_cli.engine.metrics import Progress
+import pytest
+
+from magistral_cli.engine.metrics import Progress, throughput
 
 RECORD = {"step": 3, "loss": 2.5, "lr": 1e-5, "step_time_ms": 120.0, "tokens_per_s": 900.0}
 
@@ -56,3 +58,26 @@ def test_terminal_prints_through_the_rich_console_and_updates_the_line(monkeypat
     info = progress._live.tasks[0].fields["info"]
     assert info.startswith("loss 2.5000  val 1.5000  lr")
     progress.close()
+
+
+def test_the_line_shows_tflops_per_device_and_mfu_when_known(monkeypatch):
+    err = _plain(monkeypatch)
+    progress = Progress(10, 0, enabled=True)
+    progress.update({**RECORD, "tflops_per_gpu": 412.345, "mfu": 0.41693})
+    progress.update({**RECORD, "step": 4, "tflops_per_gpu": 0.0123456, "mfu": None})  # CPU: no peak
+    progress.update({**RECORD, "step": 5})  # an older record without the fields
+    lines = err.getvalue().splitlines()
+    assert "  900 tok/s  412.3 TFLOP/s/dev  MFU 41.7%  eta " in lines[0]
+    assert "  900 tok/s  0.0123 TFLOP/s/dev  eta " in lines[1]
+    assert "  900 tok/s  eta " in lines[2]
+    progress.close()
+
+
+def test_throughput_is_global_flops_per_device_second():
+    # 8 devices, 2 s per step, 8e15 model FLOPs: 0.5e15 FLOP/s per device = 500 TFLOP/s.
+    out = throughput(8 * 10**15, 40_000, 2.0, 8, 989.0)
+    assert out["flops_per_token"] == 200_000_000_000
+    assert out["tflops_per_gpu"] == 500.0
+    assert out["mfu"] == pytest.approx(500 / 989, rel=1e-6)
+    assert throughput(8 * 10**15, 40_000, 2.0, 8, None)["mfu"] is None
+    assert throughput(10, 0, 0.0, 1, 1.0) == {"flops_per_token": None, "tflops_per_gpu": None, "mfu": None}

@@ -11,8 +11,11 @@ import torch.distributed as dist
 from magistral_cli.runtime import (
     BACKENDS,
     device_module,
+    device_name,
+    device_peak_tflops,
     device_type_of_backend,
     parse_dtype,
+    peak_tflops_of,
     resolve_device_type,
     set_device,
     spawn_ranks,
@@ -98,3 +101,35 @@ def test_a_group_past_its_time_is_stopped_with_a_timeout_error():
     with pytest.raises(RankTimeout, match="the 2 rank processes ran past 1 s") as info:
         spawn_ranks(_sleeps, 2, threads=1, timeout_s=1)
     assert isinstance(info.value, TimeoutError) and isinstance(info.value, RankFailure)
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        # as torch.cuda.get_device_name() / torch.npu.get_device_name() report them
+        ("NVIDIA H100 80GB HBM3", 989.0),  # SXM
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA H200 NVL", 835.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA A100 80GB PCIe", 312.0),
+        ("Ascend910B1", 373.88),
+        ("Ascend910B2", 353.89),
+        ("Ascend910B2C", 353.89),
+        ("Ascend910B3", 294.91),
+        ("Ascend910B4", 245.76),
+        ("Ascend910_9392", 353.89),
+        ("nvidia h100 pcie", 756.0),  # case does not matter
+        ("NVIDIA GeForce RTX 4090", None),  # unlisted: no peak, no MFU
+        ("Ascend910_9382", None),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_bf16_peak_by_device_name(name, peak):
+    assert peak_tflops_of(name) == peak
+
+
+def test_the_cpu_has_no_name_and_no_peak():
+    assert device_name("cpu") is None and device_peak_tflops("cpu") is None

@@ -50,6 +50,10 @@ def test_neat_packing_trains_the_tiny_recipe_on_two_processes(tmp_path):
         runs[name] = _metrics(run_dir)
         assert [r["step"] for r in runs[name]] == list(range(1, STEPS + 1))
         assert all(math.isfinite(r["loss"]) for r in runs[name])
+        # model FLOPs counted per packed sample (neat) or per row: logged, no MFU without a CPU peak
+        assert all(
+            r["flops_per_token"] > 0 and r["tflops_per_gpu"] > 0 and r["mfu"] is None for r in runs[name]
+        )
         identity = json.loads((run_dir / "run_identity.json").read_text())
         resolved = identity["resolved"]["attn_implementation"]
         assert resolved == ("magistral_packed_sdpa" if name == "neat" else "sdpa"), resolved
