@@ -26,6 +26,7 @@ from transformers import Mistral3ForConditionalGeneration
 
 from magistral_cli.errors import UserError
 from magistral_cli.model_config import apply_tying_rule, read_model_config
+from magistral_cli.ops.causal_attention import causal_attention_name
 from magistral_cli.ops.chunked_loss import cross_entropy_sum
 from magistral_cli.ops.packed_attention import is_packed_attention
 
@@ -105,24 +106,22 @@ class Mistral3ForTraining(Mistral3ForConditionalGeneration):
                 "max_length_k": max_seqlen,
                 "packed_seq_ends": seq_ends,
             }
-            # The segments say everything; a 2D padding mask would only be ignored.
-            attention_mask = None
-        inputs_embeds = None
-        if pixel_values is None:
-            # Every rank must run the same FSDP units in the same order, or the all-gathers
-            # deadlock when only some ranks' micro-batches hold images. A text-only micro-batch
-            # runs the vision tower on one blank image where an image batch would (after the
-            # token embedding, before the decoder) and adds 0 x its output.
-            inputs_embeds = self.model.get_input_embeddings()(input_ids)
-            blank = self._blank_image_features(inputs_embeds)
-            inputs_embeds = inputs_embeds + 0.0 * blank.to(inputs_embeds.dtype)
+        # No padding mask reaches the decoder: the trainer checked on the host that every row is
+        # right-padded (``validate_right_padding``), and under causal attention a real token only
+        # attends to earlier real tokens, so the mask changes nothing that has a target. Without
+        # it SDPA runs its causal flash kernel (a mask forces the slower masked kernels) and
+        # transformers needn't read the mask back from the device to decide that it could skip it.
+        attention_mask = None
+        if cu_seqlens is None:
+            # One sample per row: its positions are 0..L-1 (``sequential_positions``, checked on
+            # the host), which is what the decoder uses without them. Given, transformers would
+            # read them back from the device to look for packed samples.
+            position_ids = None
+        inputs_embeds = self.embed_inputs(input_ids, pixel_values, image_sizes)
         outputs = self.model(
-            input_ids=input_ids if inputs_embeds is None else None,
             inputs_embeds=inputs_embeds,
-            pixel_values=pixel_values,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            image_sizes=image_sizes,
             use_cache=False,
             **packed,
         )
@@ -135,13 +134,79 @@ class Mistral3ForTraining(Mistral3ForConditionalGeneration):
             weights = weights[:, None].expand(targets.shape) if weights.ndim == 1 else weights
         return self.lm_head(hidden[:, :-1], targets, weights)
 
+    def embed_inputs(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None,
+        image_sizes: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The decoder's input embeddings, with the projected image features at the image tokens.
+
+        What ``Mistral3Model.forward`` does before its decoder, done here for three reasons:
+
+        - transformers 5.17-5.22 read the tower's output through output-capture hooks that
+          ``fully_shard`` (which renames the tower's class) disconnects; the tower's
+          ``last_hidden_state`` is the same tensor as ``hidden_states[-1]`` (Pixtral has no final
+          norm), so the default ``vision_feature_layer: -1`` needs no capture at all;
+        - no host synchronisation: transformers reads ``image_sizes`` back from the device and
+          checks the image-token count with a device value; here ``image_sizes`` stays a host
+          tensor (the trainer keeps it on the CPU) and the count was checked on the host when the
+          batch was built (``data.collator``; ``check_image_tokens`` in the trainer);
+        - every rank runs the same FSDP units in the same order, or the all-gathers deadlock
+          when only some ranks' micro-batches hold images: a text-only micro-batch runs the
+          vision tower on one blank image where an image batch would (after the token
+          embedding, before the decoder) and adds 0 x its output.
+        """
+        embeds = self.model.get_input_embeddings()(input_ids)
+        if pixel_values is None:
+            blank = self._blank_image_features(embeds)
+            return embeds + 0.0 * blank.to(embeds.dtype)
+        features = self.image_features(pixel_values, image_sizes).to(embeds.device, embeds.dtype)
+        mask = (input_ids == self.config.image_token_id).unsqueeze(-1)
+        return embeds.masked_scatter(mask, features)
+
+    def image_features(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor | None) -> torch.Tensor:
+        """The projected features of every image, concatenated: ``[image tokens, hidden]``."""
+        layer = self.config.vision_feature_layer
+        if layer == -1:
+            selected = self.model.vision_tower(pixel_values, image_sizes=image_sizes).last_hidden_state
+            return self.model.multi_modal_projector(selected.squeeze(0), image_sizes)
+        # Another layer (or several): transformers' own selection through its output capture.
+        outputs = self.model.get_image_features(
+            pixel_values=pixel_values, image_sizes=image_sizes, vision_feature_layer=layer, return_dict=True
+        )
+        return torch.cat(outputs.pooler_output, dim=0)
+
     def _blank_image_features(self, like: torch.Tensor) -> torch.Tensor:
         # Two image tokens, not one: transformers squeezes a single-token image batch to 1D.
         side = self.model.vision_tower.patch_size * self.config.spatial_merge_size
         pixels = torch.zeros(1, 3, side, 2 * side, device=like.device, dtype=torch.float32)
-        sizes = torch.tensor([[side, 2 * side]], device=like.device)
-        features = self.model.get_image_features(pixel_values=pixels, image_sizes=sizes, return_dict=True)
-        return torch.cat(features.pooler_output, dim=0).float().sum()
+        sizes = torch.tensor([[side, 2 * side]])  # a host tensor: Pixtral only slices with it
+        return self.image_features(pixels, sizes).float().sum()
+
+
+def check_image_tokens(config, input_ids: torch.Tensor, image_sizes: torch.Tensor | None) -> None:
+    """A host micro-batch's image tokens match its images' feature count (no device value read).
+
+    Each image of ``(height, width)`` pixels gives ``(height // patch // merge) x (width // patch
+    // merge)`` features; placing them needs exactly that many image tokens in ``input_ids``.
+    """
+    tokens = int((input_ids == config.image_token_id).sum())
+    features = 0
+    if image_sizes is not None:
+        step = config.vision_config.patch_size * config.spatial_merge_size
+        features = sum((int(h) // step) * (int(w) // step) for h, w in image_sizes.tolist())
+    if tokens != features:
+        raise ValueError(
+            f"the micro-batch has {tokens} image tokens for {features} image features; "
+            "re-run magistral preprocess (image tokens must never be cut)"
+        )
+
+
+def sequential_positions(position_ids: torch.Tensor) -> bool:
+    """Whether every row of a host ``position_ids`` is ``0..L-1`` (an unpacked micro-batch's)."""
+    expected = torch.arange(position_ids.shape[-1], dtype=position_ids.dtype)
+    return bool((position_ids == expected).all())
 
 
 def load_model_config(model_dir: str | Path, trust_remote_code: bool = False):
@@ -167,7 +232,13 @@ def build_model(config, *, meta: bool, attn_implementation: str) -> Mistral3ForT
         torch.set_default_dtype(default_dtype)
     # The vision tower keeps sdpa (block-diagonal per-image mask); ops.vision_attention adapts
     # it for the flash kernels on CUDA / NPU.
-    model.set_attn_implementation({"text_config": attn_implementation, "vision_config": "sdpa"})
+    # Unpacked batches: the same kernel without transformers' mask building (ops.causal_attention).
+    text = (
+        attn_implementation
+        if is_packed_attention(attn_implementation)
+        else causal_attention_name(attn_implementation)
+    )
+    model.set_attn_implementation({"text_config": text, "vision_config": "sdpa"})
     model.train()
     return model
 
@@ -205,7 +276,13 @@ def output_capture_survives_wrapping(model: nn.Module):
     from transformers.modeling_utils import PreTrainedModel
     from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, install_all_output_capturing_hooks
 
-    flags = {m: _CAN_RECORD_REGISTRY.get(m) for m in model.modules()}
+    # The registry is keyed by str(class) in every transformers 5.x; 5.23 made it a dict subclass
+    # whose get / [] take the model instead. The plain dict methods read and write the same
+    # entries in both, so this works on every supported version.
+    def flags_of(module):
+        return dict.get(_CAN_RECORD_REGISTRY, str(type(module)))
+
+    flags = {m: flags_of(m) for m in model.modules()}
     flags = {m: spec for m, spec in flags.items() if spec}
     # One installation from the root covers every sub-model; mark them so none installs twice.
     install_all_output_capturing_hooks(model)
@@ -214,4 +291,4 @@ def output_capture_survives_wrapping(model: nn.Module):
             module._output_capturing_hooks_installed = True
     yield
     for module, spec in flags.items():
-        _CAN_RECORD_REGISTRY[module] = spec
+        dict.__setitem__(_CAN_RECORD_REGISTRY, str(type(module)), spec)

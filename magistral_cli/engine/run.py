@@ -49,8 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     from magistral_cli.config import load_recipe
     from magistral_cli.errors import MagistralError, UserError
-
-    from .trainer import Trainer
+    from magistral_cli.versions import check_supported_versions
 
     trainer = None
     status, kind, error = 1, "crash", ""
@@ -64,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
 
             die_with_parent()
             hold_rank_lock(Path(run_dir))
+        # Before transformers is imported: an unsupported one may not even import cleanly.
+        check_supported_versions()
+        from .trainer import Trainer
+
         trainer = Trainer(recipe)
         trainer.train()
         status, kind = 0, "ok"

@@ -29,13 +29,29 @@ from magistral_cli.ops.attention import resolve_attention, validate_right_paddin
 from magistral_cli.ops.context_parallel import check_cp_model, check_cp_recipe, cp_groups_from_mesh
 from magistral_cli.ops.packed_attention import packed_inputs
 from magistral_cli.run_record import record_resolved
-from magistral_cli.runtime import device_module, init_distributed, resolve_device_type
+from magistral_cli.runtime import device_module, host_to_device, init_distributed, resolve_device_type
 
 from . import checkpoint as ckpt
 from . import lora as lora_mod
 from .data import DataSource, build_data, build_val_data
-from .metrics import MetricsFile, Progress, memory_stats, write_summary
-from .model import build_model, install_loss_head, load_model_config, loss_head_sum
+from .metrics import (
+    FLOP_UNIT,
+    MetricsFile,
+    Progress,
+    memory_stats,
+    micro_batch_flops,
+    peak_tflops,
+    throughput,
+    write_summary,
+)
+from .model import (
+    build_model,
+    check_image_tokens,
+    install_loss_head,
+    load_model_config,
+    loss_head_sum,
+    sequential_positions,
+)
 from .optim import build_optimizer, clip_grads_, grad_norm_and_sums, lr_at
 from .parallelize import ParallelDims, parallelize_model
 from .profiling import MemoryProfiler, StepProfiler
@@ -77,10 +93,20 @@ def set_rng_state(state: dict[str, Any], device_type: str) -> None:
         mod.set_rng_state(state["device"])
 
 
+#: Batch entries the model reads on the host.
+HOST_KEYS = frozenset({"image_sizes"})
+
+
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
     """The model's inputs on ``device``; a packed batch's ``cu_seqlens`` becomes the packed
     attention's arguments (``ops.packed_attention.packed_inputs``: device offsets, host ints)."""
-    out: dict[str, Any] = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "cu_seqlens"}
+    # ``image_sizes`` stays on the host: the model only slices and counts with it
+    # (``Mistral3ForTraining.embed_inputs``), and a device copy would be read back every forward.
+    out: dict[str, Any] = {
+        k: v if k in HOST_KEYS else v.to(device, non_blocking=True)
+        for k, v in batch.items()
+        if k != "cu_seqlens"
+    }
     if "cu_seqlens" in batch:
         out.update(packed_inputs(batch["cu_seqlens"], tuple(batch["input_ids"].shape), device))
     return out
@@ -211,6 +237,7 @@ class Trainer:
             )
         config = load_model_config(recipe.model.model_name_or_path, recipe.model.trust_remote_code)
         check_cp_model(config.text_config, self.dims.ulysses)
+        self.model_config = config
         self.attn_implementation = resolve_attention(
             recipe.model.attn_implementation, self.device_type, packed=self.segments is not None
         )
@@ -490,10 +517,10 @@ class Trainer:
 
         Returns device tensors: ``loss_sum`` (this rank's summed token losses), ``objective``
         (this rank's share of the logged loss) and ``counts`` (global targets, global non-padding
-        tokens). Nothing here waits for the device.
+        tokens, global model FLOPs in ``FLOP_UNIT``s). Nothing here waits for the device.
         """
         loss_type = self.loss_type
-        local = torch.zeros(2, dtype=torch.int64)
+        local = torch.zeros(3, dtype=torch.int64)  # targets, tokens, model FLOPs (FLOP_UNITs)
         targets: list[int] = []
         for mb in micro_batches:
             # Host-side checks and counts: the batches are still on the CPU, so no device sync.
@@ -505,10 +532,18 @@ class Trainer:
                 if self.cp_groups is None:
                     raise
                 raise UserError(f"context parallelism: {exc}") from None
+            check_image_tokens(self.model_config, mb["input_ids"], mb.get("image_sizes"))
+            if (
+                "cu_seqlens" not in mb
+                and "position_ids" in mb
+                and not sequential_positions(mb["position_ids"])
+            ):
+                raise ValueError("an unpacked micro-batch's position_ids must be 0..L-1 in every row")
             targets.append(int((mb["labels"][:, 1:] != -100).sum()))
             local[0] += targets[-1]
             local[1] += mb["attention_mask"].sum()
-        counts = local.to(self.device)
+            local[2] += micro_batch_flops(self.model_config, mb) // FLOP_UNIT  # host arithmetic, exact
+        counts = host_to_device(local, self.device)  # queued, not waited for
         # The global counts are needed only by per_token_loss's first backward: overlap the
         # all-reduce with the first forward.
         pending = dist.all_reduce(counts, group=self.dp_group, async_op=True)
@@ -675,16 +710,19 @@ class Trainer:
         return global_objective / self.dims.dp
 
     def _record(self, out: dict[str, Any]) -> dict[str, Any]:
-        """The metrics.jsonl record of the step just taken (its .item() calls wait for the device)."""
-        targets, tokens = (int(v) for v in out["counts"].tolist())
+        """The metrics.jsonl record of the step just taken (two reads that wait for the device:
+        the exact integer counts, and the loss sum with the gradient norm in one)."""
+        targets, tokens, flop_units = (int(v) for v in out["counts"].tolist())
+        loss_sum, grad_norm = torch.stack([out["global_loss_sum"], out["grad_norm"]]).float().tolist()
         record = {
             "step": self.step,
-            "loss": self.logged_loss(out["global_loss_sum"].item(), targets),
-            "grad_norm": float(out["grad_norm"]),
+            "loss": self.logged_loss(loss_sum, targets),
+            "grad_norm": grad_norm,
             "lr": float(out["lr"]),
             "step_time_ms": None,
             "tokens": tokens,
             "tokens_per_s": None,
+            "model_flops": flop_units * FLOP_UNIT,  # the step's, all dp ranks (not a metrics.jsonl field)
         }
         if out.get("skipped"):
             record["skipped"] = True
@@ -704,6 +742,7 @@ class Trainer:
         if metrics is not None and metrics.moved_aside is not None:
             log.warning("metrics.jsonl lines after step %d moved to %s", self.step, metrics.moved_aside)
         progress = Progress(training.train_iters, self.step, enabled=is_rank0)
+        peak = peak_tflops(self.device_type, tools.peak_tflops)  # MFU's denominator (None: unknown)
         profiler = StepProfiler(tools.profile, self.run_dir, self.rank, self.device_type)
         mem_profiler = MemoryProfiler(tools.memory_profile, self.run_dir, self.rank, self.device_type)
         stop = training.train_iters if max_steps is None else min(training.train_iters, self.step + max_steps)
@@ -725,6 +764,10 @@ class Trainer:
                     elapsed = (time.perf_counter() - interval_start - paused) / interval_steps
                     record["step_time_ms"] = round(elapsed * 1000, 2)
                     record["tokens_per_s"] = round(record["tokens"] / elapsed, 1) if elapsed > 0 else None
+                    # Model TFLOP/s per device over every rank (dp x cp), and MFU against ``peak``.
+                    record.update(
+                        throughput(record["model_flops"], record["tokens"], elapsed, self.world_size, peak)
+                    )
                     records.append(record)
                     if metrics is not None:
                         metrics.write(record)

@@ -29,6 +29,7 @@ from magistral_cli.config import check_world_size, load_recipe, recipe_to_yaml
 from magistral_cli.config.schema import Recipe
 from magistral_cli.errors import UserError
 from magistral_cli.run_record import RESOLVED_CONFIG
+from magistral_cli.versions import check_supported_versions
 
 from .device import device_defaults, merge_env, resolve_device
 from .identity import build_identity, write_json
@@ -440,6 +441,7 @@ def plan_launch(
     recipe_path = Path(recipe_path)
     recipe = load_recipe(recipe_path, overrides)
     warnings: list[str] = []
+    check_supported_versions()  # before the meta model is built with transformers
 
     if options.nnodes > 1 and options.master_addr is None:
         raise UserError("--nnodes > 1 needs --master-addr (the address of the node with --node-rank 0)")

@@ -17,7 +17,7 @@ from magistral_cli.checkpoint.keys import transformers_to_official_key
 from magistral_cli.errors import CheckFailed, UserError
 from magistral_cli.testing.tiny_model import IMAGE_TOKEN_ID, build_tiny_model
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+pytestmark = [pytest.mark.compat, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 
 def _tensors(directory):

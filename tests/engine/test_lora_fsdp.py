@@ -20,7 +20,7 @@ import torch
 
 from magistral_cli.runtime import spawn_ranks
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.compat, pytest.mark.slow]
 
 VOCAB = 512
 SEQ = 24

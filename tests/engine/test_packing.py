@@ -26,6 +26,8 @@ from magistral_cli.ops.attention import resolve_attention
 from magistral_cli.testing.tiny_data import write_synthetic_llava_dataset, write_tiny_tokenizer_files
 from magistral_cli.testing.tiny_model import tiny_mistral3_config
 
+pytestmark = pytest.mark.compat
+
 CPU = torch.device("cpu")
 #: The model's vocabulary: Tekken's ids are folded into it (id % VOCAB) after collation, which keeps
 #: the special and image tokens (all below 512) and the logits cheap.

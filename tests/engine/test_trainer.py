@@ -20,7 +20,7 @@ from magistral_cli.errors import UserError
 
 from .helpers import VOCAB, full_params, make_recipe, write_tiny_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.compat, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
@@ -117,9 +117,10 @@ def test_matches_plain_transformers_loop(tiny, tmp_path):
     assert [x["step"] for x in lines] == [2, 3]
     assert set(lines[0]) == {
         "step", "loss", "grad_norm", "lr", "step_time_ms", "tokens", "tokens_per_s",
-        "peak_allocated_mib", "peak_reserved_mib", "alloc_retries",
+        "peak_allocated_mib", "peak_reserved_mib", "alloc_retries", "flops_per_token", "tflops_per_gpu", "mfu",
     }  # fmt: skip
     assert lines[0]["peak_allocated_mib"] is None  # the CPU allocator reports nothing
+    assert lines[0]["tflops_per_gpu"] > 0 and lines[0]["mfu"] is None  # no bf16 peak on the CPU
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
 
 

@@ -32,7 +32,7 @@ from magistral_cli.generate import (
 from magistral_cli.testing.tiny_data import write_tiny_tokenizer_files
 from magistral_cli.testing.tiny_model import build_tiny_model, save_official_checkpoint
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+pytestmark = [pytest.mark.compat, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 GREEDY = SamplingOptions(max_new_tokens=6, greedy=True)
 

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from magistral_cli.ops import packed_attention as pa
 from magistral_cli.ops.attention import NPU_ATTENTION, resolve_attention
 
+pytestmark = pytest.mark.compat
+
 BATCH, HEADS, KV_HEADS, LENGTH, DIM = 2, 4, 2, 12, 8
 # Row 0: samples of 5 and 4 tokens, then 3 padding tokens; row 1: 3 + 7 tokens, 2 padding.
 NEAT_ENDS = (5, 9, 12, 15, 22, 24)

@@ -16,6 +16,8 @@ from magistral_cli.ops.vision_attention import (
 )
 from magistral_cli.testing.tiny_model import IMAGE_TOKEN_ID, tiny_mistral3_config
 
+pytestmark = pytest.mark.compat
+
 
 @pytest.fixture(scope="module")
 def model():

@@ -8,6 +8,8 @@ import pytest
 
 from magistral_cli.probes.train_smoke import check_records, run_train_smoke_probe
 
+pytestmark = pytest.mark.compat
+
 
 def _good(nproc=2, steps=3):
     return {

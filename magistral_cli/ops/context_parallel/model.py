@@ -162,8 +162,14 @@ def context_parallel_forward(
         )
     validate_cp_batch(attention_mask)
     inner = model.model
-    embeds = inner.get_input_embeddings()(input_ids)
-    if pixel_values is not None:
+    if hasattr(model, "embed_inputs"):
+        # The trainer's model places the image features itself (and runs the tower on a blank
+        # image for a text-only micro-batch, so every rank runs the same FSDP units in order).
+        with forbid_cp_communication("the vision tower"):
+            embeds = model.embed_inputs(input_ids, pixel_values, image_sizes)
+    else:
+        embeds = inner.get_input_embeddings()(input_ids)
+    if pixel_values is not None and not hasattr(model, "embed_inputs"):
         with forbid_cp_communication("the vision tower"):
             image_outputs = inner.get_image_features(
                 pixel_values=pixel_values,
@@ -174,13 +180,6 @@ def context_parallel_forward(
         features = torch.cat(image_outputs.pooler_output, dim=0).to(embeds.device, embeds.dtype)
         mask = inner.get_placeholder_mask(input_ids, inputs_embeds=embeds, image_features=features)
         embeds = embeds.masked_scatter(mask, features)
-    elif hasattr(model, "_blank_image_features"):
-        # The trainer's model: a text-only micro-batch runs the vision tower on one blank image
-        # and adds 0 x its output, so that every rank runs the same FSDP units in the same
-        # order (a data-parallel peer's micro-batch may hold images).
-        with forbid_cp_communication("the vision tower"):
-            blank = model._blank_image_features(embeds)
-        embeds = embeds + 0.0 * blank.to(embeds.dtype)
 
     batch, seq_len = input_ids.shape
     if position_ids is None:

@@ -1,0 +1,86 @@
+"""The library versions the engine supports, and the pre-flight check against the installed ones.
+
+The lower bounds are versions a test actually ran on (``pyproject.toml`` declares the same; a
+test keeps the two equal):
+
+- transformers 5.17.0: the version current CUDA images ship; CI's second leg runs the engine,
+  workflow and probe tests on it. Older 5.x releases are refused rather than guessed at (see
+  the README's "Supported versions" for what 5.0-5.16 and 4.57 would take).
+- torch 2.11: the oldest torch the project has trained on (a CUDA machine image, torch
+  2.11.0+cu130); CI runs torch 2.13 on the CPU.
+
+No upper bound: newer releases are what CI's main leg installs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from importlib import metadata
+
+from magistral_cli.errors import UserError
+
+log = logging.getLogger(__name__)
+
+#: Set to 1 to try an unsupported version anyway: the check then only warns.
+SKIP_ENV = "MAGISTRAL_SKIP_VERSION_CHECK"
+
+#: distribution -> the lowest supported version.
+MINIMUM_VERSIONS: dict[str, str] = {
+    "transformers": "5.17.0",
+    "torch": "2.11",
+}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The numeric release of a version string: '2.11.0+cu130' -> (2, 11, 0), '5.0.0rc1' -> (5, 0, 0)."""
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        match = re.match(r"\d+", piece)
+        if match is None:
+            break
+        parts.append(int(match.group()))
+        if match.end() != len(piece):
+            break
+    return tuple(parts)
+
+
+def is_older(installed: str, minimum: str) -> bool:
+    """Whether ``installed`` is a release below ``minimum`` (pre-releases of ``minimum`` count as it)."""
+    a, b = _release(installed), _release(minimum)
+    width = max(len(a), len(b))
+    return a + (0,) * (width - len(a)) < b + (0,) * (width - len(b))
+
+
+def installed_version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_supported_versions(installed: dict[str, str | None] | None = None) -> None:
+    """Raise UserError naming the installed and the lowest supported version of each library that is too old.
+
+    ``installed`` maps distribution -> version (default: what this environment has).
+    """
+    problems = []
+    for name, minimum in MINIMUM_VERSIONS.items():
+        version = installed_version(name) if installed is None else installed.get(name)
+        if version is None:
+            problems.append(f"{name} is not installed (magistral needs {name}>={minimum})")
+        elif is_older(version, minimum):
+            problems.append(f"{name} {version} is installed; magistral needs {name}>={minimum}")
+    if not problems:
+        return
+    if os.environ.get(SKIP_ENV) == "1":
+        log.warning("%s; continuing because %s=1 (untested)", "; ".join(problems), SKIP_ENV)
+        return
+    raise UserError(
+        "; ".join(problems)
+        + ". Upgrade it in this environment (for example pip install 'transformers>="
+        + MINIMUM_VERSIONS["transformers"]
+        + "'); on a CUDA or Ascend machine keep your torch build and upgrade transformers only "
+        f"({SKIP_ENV}=1 tries the installed versions anyway, untested)"
+    )

@@ -1,0 +1,106 @@
+"""Supported library versions: the declared bounds, the comparison, and the pre-flight stop."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from magistral_cli.errors import UserError
+from magistral_cli.versions import MINIMUM_VERSIONS, check_supported_versions, installed_version, is_older
+
+pytestmark = pytest.mark.compat
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_pyproject_declares_the_same_lower_bounds():
+    text = (REPO / "pyproject.toml").read_text()
+    for name, minimum in MINIMUM_VERSIONS.items():
+        declared = re.findall(rf'"{name}>=([^",]+)"', text)
+        assert declared == [minimum], f"pyproject.toml declares {name}>={declared}, versions.py {minimum}"
+
+
+@pytest.mark.parametrize(
+    ("installed", "minimum", "older"),
+    [
+        ("5.16.0", "5.17.0", True),
+        ("5.17.0", "5.17.0", False),
+        ("5.17.0.dev0", "5.17.0", False),
+        ("5.25.0", "5.17.0", False),
+        ("4.57.1", "5.17.0", True),
+        ("5.0.0rc1", "5.17.0", True),
+        ("2.11.0+cu130", "2.11", False),
+        ("2.10.1", "2.11", True),
+        ("2.13.0+cpu", "2.11", False),
+        ("10.0", "5.17.0", False),
+    ],
+)
+def test_version_comparison(installed, minimum, older):
+    assert is_older(installed, minimum) is older
+
+
+def test_this_environment_is_supported():
+    check_supported_versions()  # what CI installs must pass its own check
+    assert installed_version("transformers") is not None
+
+
+def test_a_too_old_transformers_is_named_with_both_versions():
+    installed = {"torch": "2.13.0+cpu", "transformers": "5.10.0"}
+    with pytest.raises(UserError) as info:
+        check_supported_versions(installed)
+    message = str(info.value)
+    assert "transformers 5.10.0 is installed" in message
+    assert "transformers>=5.17.0" in message
+    assert "torch" not in message.split(";")[0]
+
+
+def test_a_missing_library_is_named():
+    with pytest.raises(UserError, match="torch is not installed"):
+        check_supported_versions({"transformers": "5.25.0"})
+
+
+def _fake_distribution(root: Path, name: str, version: str) -> None:
+    """A distribution record as pip writes it (dist-info with METADATA), found first on the path."""
+    info = root / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+def test_train_stops_in_pre_flight_with_an_old_transformers(tmp_path):
+    """`magistral train` (a dry run too) exits 2 naming both versions before any rank or model build."""
+    shadow = tmp_path / "site"
+    _fake_distribution(shadow, "transformers", "5.10.0")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow), os.environ.get("PYTHONPATH", "")])}
+    recipe = REPO / "recipes" / "tiny" / "tiny_cpu.yaml"
+    for extra in (["--dry-run"], []):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "magistral_cli",
+                "train",
+                str(recipe),
+                f"training.output_dir={tmp_path / 'run'}",
+                *extra,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert "transformers 5.10.0 is installed" in proc.stderr + proc.stdout
+        assert "transformers>=5.17.0" in proc.stderr + proc.stdout
+        assert "Traceback" not in proc.stderr
+        assert not (tmp_path / "run" / "logs").exists(), "torchrun must not have started"
+
+
+def test_the_check_can_be_skipped_on_purpose(monkeypatch, caplog):
+    monkeypatch.setenv("MAGISTRAL_SKIP_VERSION_CHECK", "1")
+    check_supported_versions({"torch": "2.13.0", "transformers": "5.10.0"})  # no error
+    assert "transformers 5.10.0 is installed" in caplog.text
