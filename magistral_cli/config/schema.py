@@ -439,6 +439,19 @@ class BasicParameters(Section):
         return self
 
 
+class SyntheticData(Section):
+    """Shape of ``dataset_type: synthetic`` batches (machine checks, tests and benchmarks)."""
+
+    image_every: int = Field(
+        2, ge=0, description="Every that many samples (by index) has an image; 0 = text only."
+    )
+    full_length: bool = Field(
+        False,
+        description="Every sample is cutoff_len tokens long (default: a random length from half of it), "
+        "so a step holds exactly micro_batch_size x cutoff_len tokens, as a benchmark's bare loop does.",
+    )
+
+
 class DatasetParam(Section):
     dataset_type: str = Field(
         "huggingface",
@@ -453,6 +466,9 @@ class DatasetParam(Section):
     )
     basic_parameters: BasicParameters = Field(
         default_factory=BasicParameters, description="Template, truncation, cache."
+    )
+    synthetic: SyntheticData = Field(
+        default_factory=SyntheticData, description="Batch shape when dataset_type is synthetic."
     )
 
     @model_validator(mode="after")
@@ -627,6 +643,11 @@ class Model(Section):
     freeze: list[str] = Field(
         default_factory=lambda: ["model.vision_tower", "model.multi_modal_projector"],
         description="Module patterns whose parameters are not trained.",
+    )
+    compile: bool = Field(
+        False,
+        description="Addition. Compile each decoder layer with torch.compile (torchtitan's per-block compile): "
+        "fused elementwise kernels around the matmuls. Not with packing or context parallelism.",
     )
     lora: Optional[LoraConfig] = Field(
         None,
@@ -1013,6 +1034,13 @@ class Tools(Section):
     wandb: WandbOptions = Field(
         default_factory=WandbOptions, description="Addition. Options of tools.logger: wandb."
     )
+    peak_tflops: Optional[float] = Field(
+        None,
+        gt=0,
+        description="Addition. Dense bf16 peak TFLOP/s of one device, the denominator of metrics.jsonl's "
+        "mfu (= tflops_per_gpu / peak_tflops); null = the device's own from a table of known devices "
+        "(H100, H200, A100, Ascend 910B1-B4, A3), and no mfu on the CPU or an unlisted device.",
+    )
 
 
 # --------------------------------------------------------------------------- recipe
@@ -1026,7 +1054,7 @@ class Recipe(Section):
     model: Model = Field(default_factory=Model, description="The model.")
     features: Features = Field(default_factory=Features, description="Memory and speed features.")
     training: Training = Field(..., description="Optimization, checkpoints and logging.")
-    tools: Tools = Field(default_factory=Tools, description="Profilers.")
+    tools: Tools = Field(default_factory=Tools, description="Profilers, loggers and the MFU peak.")
 
     @model_validator(mode="after")
     def _neat_packing_without_cp(self):
@@ -1036,6 +1064,22 @@ class Recipe(Section):
                 f"(ulysses_parallel_size x ring_attention_size = {self.parallel.cp_size}): the Ulysses and Ring "
                 "attention are causal over the whole sequence and would let packed samples see each other; "
                 "set both CP sizes to 1, or use packing: true (causal across samples) with neat_packing: false"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _compile_without_packing_or_cp(self):
+        if not self.model.compile:
+            return self
+        if self.data.dataset_param.basic_parameters.packing:
+            raise ValueError(
+                "model.compile with packing: a packed batch's segment offsets change every step and would "
+                "recompile the layers each time; set model.compile: false or packing: false"
+            )
+        if self.parallel.cp_size > 1:
+            raise ValueError(
+                "model.compile with context parallelism is not supported (the CP attention communicates "
+                "inside the layers); set model.compile: false or both CP sizes to 1"
             )
         return self
 

@@ -53,6 +53,8 @@ def build_data(recipe: Recipe, *, dp_rank: int, dp_size: int, vocab_size: int) -
             dp_rank=dp_rank,
             dp_size=dp_size,
             seed=training.seed,
+            image_every=params.synthetic.image_every,
+            full_length=params.synthetic.full_length,
         )
     from magistral_cli.data.loader import build_train_dataloader, prepare_dataset
 
@@ -107,6 +109,8 @@ def build_val_data(
             dp_rank=0,
             dp_size=1,
             seed=training.seed + SYNTHETIC_VAL_SEED_OFFSET,
+            image_every=params.synthetic.image_every,
+            full_length=params.synthetic.full_length,
         )
         return ValBatches.over(
             _SyntheticSamples(samples),

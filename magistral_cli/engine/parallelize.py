@@ -94,6 +94,24 @@ def apply_ac(model: nn.Module, patterns: list[str]) -> list[str]:
     return [name for name, _ in matched]
 
 
+#: The blocks ``model.compile`` compiles: the decoder layers, where the step's time goes.
+COMPILE_PATTERN = "model.language_model.layers.{*}"
+
+
+def apply_compile(model: nn.Module) -> list[str]:
+    """``torch.compile`` each decoder layer's forward (torchtitan's per-block compile).
+
+    Per block, not the whole model: every layer has the same code, so one compiled graph serves
+    them all, and the compile time does not grow with the depth. The forward is replaced in
+    place (as recompute does), after recompute, so the compiled region holds the checkpointed
+    computation, and before FSDP, whose hooks stay outside it.
+    """
+    matched = select_modules(model, [COMPILE_PATTERN], what="model.compile")
+    for _, module in matched:
+        module.forward = torch.compile(module.forward)
+    return [name for name, _ in matched]
+
+
 def mixed_precision(plan: FSDPPlan) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(
         param_dtype=DTYPES[plan.param_dtype] if plan.param_dtype else None,
@@ -263,6 +281,7 @@ class ParallelizedModel:
     frozen: list[str] = field(default_factory=list)
     contiguous_linear: list[str] = field(default_factory=list)
     recomputed: list[str] = field(default_factory=list)
+    compiled: list[str] = field(default_factory=list)
     units: list[tuple[str, object]] = field(default_factory=list)
     context_parallel: str | None = None
 
@@ -292,6 +311,9 @@ def parallelize_model(
     3. **Recompute** (``features.recompute_plan``): activation checkpointing wraps forwards before
        FSDP, so FSDP's hooks run around the recomputed region and the backward gathers each unit's
        parameters once.
+    3b. **Compile** (``model.compile``): each decoder layer's forward through ``torch.compile``,
+       after recompute (the compiled region holds the checkpointed computation) and before FSDP
+       (whose hooks stay outside it).
     4. **FSDP2** (``parallel.fsdp_plan``): ``fully_shard`` bottom-up over the units, then the root;
        the Triton split-copy kernel is registered before the first all-gather can run.
     5. **Prefetch**: explicit all-gather prefetch along the chain of units; needs the units.
@@ -327,6 +349,9 @@ def parallelize_model(
     if features.recompute:
         done.recomputed = apply_ac(model, features.recompute_plan.apply_modules)
         log.info("activation checkpointing on %d modules", len(done.recomputed))
+    if recipe.model.compile:
+        done.compiled = apply_compile(model)
+        log.info("torch.compile on %d decoder layers", len(done.compiled))
     if plan.use_triton_split_copy:
         from magistral_cli.ops.split_copy import enable_triton_split_copy
 

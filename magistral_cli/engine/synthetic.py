@@ -62,9 +62,11 @@ class SyntheticBatches(MicroBatchCounter):
         image_every: int = 2,
         images_per_sample: int = 1,
         pixels_per_token: int = 28,
+        full_length: bool = False,
     ):
         """``image_every``: every that many samples (by index) has images, 0 = none;
-        ``images_per_sample``: how many such a sample has (each 2 or 4 image tokens)."""
+        ``images_per_sample``: how many such a sample has (each 2 or 4 image tokens);
+        ``full_length``: every sample is ``seq_len`` tokens (default: random, from half of it)."""
         if images_per_sample < 1:
             raise ValueError("images_per_sample must be >= 1")
         if seq_len < 16 * images_per_sample:
@@ -81,6 +83,7 @@ class SyntheticBatches(MicroBatchCounter):
         self.image_every = image_every
         self.images_per_sample = images_per_sample
         self.pixels_per_token = pixels_per_token
+        self.full_length = full_length
         self.yielded = 0
 
     def __next__(self) -> dict[str, torch.Tensor]:
@@ -94,6 +97,8 @@ class SyntheticBatches(MicroBatchCounter):
     def sample(self, index: int) -> dict:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         length = int(torch.randint(self.seq_len // 2, self.seq_len + 1, (1,), generator=g))
+        if self.full_length:
+            length = self.seq_len
         ids = torch.randint(FIRST_TEXT_ID, self.vocab_size, (length,), generator=g)
         ids[0] = BOS_TOKEN_ID
         images = []

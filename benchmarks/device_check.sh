@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One command for a CUDA machine: the probes, a tiny CUDA train with images and packing, and the
+# real-width step benchmark against a bare loop (with the top kernels and the host syncs per step).
+#
+#   bash benchmarks/device_check.sh OUT_DIR [LAYERS]
+#
+# Run from the repository root. Python packages the machine image lacks come as wheels in .whl/
+# (benchmarks/README.md says how to download them); they install into /tmp/site, never into the
+# image's environment. Each stage has its own time limit and writes one file under OUT_DIR;
+# a stage that fails does not stop the next.
+set -uo pipefail
+out=${1:?usage: device_check.sh OUT_DIR [LAYERS]}
+layers=${2:-2}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "wheel install failed" >&2; exit 3; }
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+
+stage() {  # stage NAME SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    echo "== $name (limit ${limit}s)"
+    timeout "$limit" "$@" >"$out/$name.txt" 2>&1
+    local rc=$?
+    echo "$name: exit $rc after $((SECONDS - start)) s" | tee -a "$out/summary.txt"
+    tail -n 25 "$out/$name.txt"
+}
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+} >"$out/summary.txt" 2>&1
+cat "$out/summary.txt"
+
+stage probes "${PROBES_S:-240}" python3 -m magistral_cli probe all --device cuda --require-device
+
+qs=$(mktemp -d)
+stage tiny_train "${TINY_S:-180}" bash -c "
+python3 -c 'from pathlib import Path; from magistral_cli.quickstart import write_assets; write_assets(Path(\"$qs\"), 64)' &&
+python3 -m magistral_cli train recipes/tiny/tiny_cpu.yaml \
+  parallel.device=cuda parallel.nproc_per_node=1 \
+  data.dataset_param.preprocess_parameters.model_name_or_path=$qs/model model.model_name_or_path=$qs/model \
+  training.load=$qs/model data.dataset_param.basic_parameters.dataset_dir=$qs/data \
+  data.dataset_param.basic_parameters.dataset=$qs/data/data.jsonl data.dataset_param.basic_parameters.cache_dir=$qs/cache \
+  data.dataset_param.basic_parameters.neat_packing=true data.dataset_param.basic_parameters.packing=true \
+  training.train_iters=6 training.save_interval=0 training.output_dir=$qs/run &&
+tail -n 3 $qs/run/metrics.jsonl"
+
+stage gpu_step "${STEP_S:-420}" python3 benchmarks/gpu_step.py --device cuda --layers "$layers" --micro-batch 2 --seq 4096 \
+    --profile "$out" --json "$out/gpu_step.json"
