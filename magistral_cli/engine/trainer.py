@@ -102,14 +102,34 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
     attention's arguments (``ops.packed_attention.packed_inputs``: device offsets, host ints)."""
     # ``image_sizes`` stays on the host: the model only slices and counts with it
     # (``Mistral3ForTraining.embed_inputs``), and a device copy would be read back every forward.
+    # Through pinned memory (the loader's batches are pinned already; synthetic ones are not): a
+    # copy from pageable memory would make the host wait for the queued AdamW of the last step.
     out: dict[str, Any] = {
-        k: v if k in HOST_KEYS else v.to(device, non_blocking=True)
-        for k, v in batch.items()
-        if k != "cu_seqlens"
+        k: v if k in HOST_KEYS else host_to_device(v, device) for k, v in batch.items() if k != "cu_seqlens"
     }
     if "cu_seqlens" in batch:
         out.update(packed_inputs(batch["cu_seqlens"], tuple(batch["input_ids"].shape), device))
     return out
+
+
+def read_step_values(
+    grad_norm: torch.Tensor, loss_sum: torch.Tensor, counts: torch.Tensor | None
+) -> dict[str, Any]:
+    """The step's gradient norm, loss sum and (exact, int64) counts in one device-to-host read.
+
+    float64 holds integers exactly only up to 2**53, so each count travels as its high and low 32
+    bits (each exact in float64) and is put back together here.
+    """
+    parts = [torch.stack([grad_norm, loss_sum]).to(torch.float64)]
+    if counts is not None:
+        parts += [(counts >> 32).to(torch.float64), (counts & 0xFFFFFFFF).to(torch.float64)]
+    values = torch.cat(parts).tolist()
+    host: dict[str, Any] = {"grad_norm": values[0], "loss_sum": values[1], "counts": None}
+    if counts is not None:
+        n = counts.numel()
+        high, low = values[2 : 2 + n], values[2 + n :]
+        host["counts"] = [(int(h) << 32) + int(lo) for h, lo in zip(high, low, strict=True)]
+    return host
 
 
 def per_sample_weights(labels: torch.Tensor, attention_mask: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
@@ -595,13 +615,17 @@ class Trainer:
     def after_micro_batch(self, index: int, *, last: bool) -> None:
         """Called after each micro-batch's backward (a no-op; subclasses measure memory here)."""
 
-    def optimizer_step(self, loss_sum: torch.Tensor | None = None) -> dict[str, Any]:
+    def optimizer_step(
+        self, loss_sum: torch.Tensor | None = None, counts: torch.Tensor | None = None
+    ) -> dict[str, Any]:
         """Gradient norm (always) and clipping, AdamW at this step's learning rate, zero grads.
 
-        ``loss_sum`` is this rank's ``objective``. Returns device tensors: ``grad_norm`` and
-        ``loss_sum`` summed over the dp ranks (the two travel in one all-reduce), and the ``lr``
-        used. Step k uses the schedule's value after k - 1 scheduler steps, as MindSpeed-MM reads
-        the lr before ``scheduler.step()``: a warm-up run's first step has lr 0.
+        ``loss_sum`` is this rank's ``objective``; ``counts`` the step's global counts
+        (``forward_backward``). Returns device tensors: ``grad_norm`` and ``loss_sum`` summed over
+        the dp ranks (the two travel in one all-reduce), the ``lr`` used, and under ``host`` the
+        same values read back in the step's one synchronisation (with ``counts``), so that logging
+        reads nothing more. Step k uses the schedule's value after k - 1 scheduler steps, as
+        MindSpeed-MM reads the lr before ``scheduler.step()``: a warm-up run's first step has lr 0.
         """
         lr = lr_at(self.step, self.recipe.training)
         for group in self.optimizer.param_groups:
@@ -615,23 +639,32 @@ class Trainer:
         grad_norm, global_loss_sum = grad_norm_and_sums(self.trainable, loss_sum, group=self.fsdp_group)
         # The one host synchronisation of a step: a non-finite loss or gradient norm must stop
         # (or skip) the step before AdamW writes NaN into the weights and the moments. Both
-        # values are all-reduced, so every rank takes the same branch.
-        finite = bool(torch.isfinite(torch.stack([grad_norm, global_loss_sum])).all())
+        # values are all-reduced, so every rank takes the same branch. The same read brings back
+        # what the step's metrics line needs, before AdamW is queued: the device then runs the
+        # update while the host already prepares the next step.
+        host = read_step_values(grad_norm, global_loss_sum, counts)
+        finite = math.isfinite(host["grad_norm"]) and math.isfinite(host["loss_sum"])
         skipped = False
         if not finite:
-            self._non_finite(grad_norm, global_loss_sum, lr)
+            self._non_finite(host["grad_norm"], host["loss_sum"], lr)
             skipped = True
         else:
             clip_grads_(self.trainable, self.recipe.training.clip_grad, grad_norm)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return {"grad_norm": grad_norm, "global_loss_sum": global_loss_sum, "lr": lr, "skipped": skipped}
+        return {
+            "grad_norm": grad_norm,
+            "global_loss_sum": global_loss_sum,
+            "lr": lr,
+            "skipped": skipped,
+            "host": host,
+        }
 
-    def _non_finite(self, grad_norm: torch.Tensor, loss_sum: torch.Tensor, lr: float) -> None:
+    def _non_finite(self, grad_norm: float, loss_sum: float, lr: float) -> None:
         """Stop the run at a non-finite step (exit 1), or log it when ``training.skip_nonfinite_steps``."""
         step = self.step + 1
-        what = f"step {step}: loss sum {float(loss_sum)}, gradient norm {float(grad_norm)} (lr {lr:g})"
+        what = f"step {step}: loss sum {loss_sum}, gradient norm {grad_norm} (lr {lr:g})"
         if not self.recipe.training.skip_nonfinite_steps:
             raise CheckFailed(
                 f"{what} is not finite; the update was not applied and no checkpoint was written after it. "
@@ -644,7 +677,7 @@ class Trainer:
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
         """One optimizer step; returns device tensors and the lr (one host synchronisation: the finiteness check)."""
         out = self.forward_backward(micro_batches)
-        out.update(self.optimizer_step(out["objective"]))
+        out.update(self.optimizer_step(out["objective"], out["counts"]))
         return out
 
     def evaluate(self) -> dict[str, Any] | None:
@@ -710,10 +743,13 @@ class Trainer:
         return global_objective / self.dims.dp
 
     def _record(self, out: dict[str, Any]) -> dict[str, Any]:
-        """The metrics.jsonl record of the step just taken (two reads that wait for the device:
-        the exact integer counts, and the loss sum with the gradient norm in one)."""
-        targets, tokens, flop_units = (int(v) for v in out["counts"].tolist())
-        loss_sum, grad_norm = torch.stack([out["global_loss_sum"], out["grad_norm"]]).float().tolist()
+        """The metrics.jsonl record of the step just taken, from the values the step's one
+        synchronisation read back (``optimizer_step``; read here only if it did not)."""
+        host = out.get("host")
+        if host is None or host["counts"] is None:
+            host = read_step_values(out["grad_norm"], out["global_loss_sum"], out["counts"])
+        targets, tokens, flop_units = host["counts"]
+        loss_sum, grad_norm = host["loss_sum"], host["grad_norm"]
         record = {
             "step": self.step,
             "loss": self.logged_loss(loss_sum, targets),
@@ -759,7 +795,9 @@ class Trainer:
                 out = self.train_step(batches)
                 interval_steps += 1
                 if step % training.log_interval == 0 or step == stop:
-                    record = self._record(out)  # waits for the device: the time below is real
+                    # The step waited for its forward and backward (the finiteness read): in steady
+                    # state the interval below is the step period, the queued AdamW included.
+                    record = self._record(out)
                     # Mean step time since the last logged step (steps in between are not synced).
                     elapsed = (time.perf_counter() - interval_start - paused) / interval_steps
                     record["step_time_ms"] = round(elapsed * 1000, 2)

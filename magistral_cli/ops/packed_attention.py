@@ -47,6 +47,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from magistral_cli.runtime import host_to_device
+
 from .attention import (
     NPU_ATTENTION,
     TORCH_VARLEN,
@@ -99,7 +101,7 @@ def packed_inputs(cu_seqlens: torch.Tensor, shape: tuple[int, int], device: torc
     ends = check_cu_seqlens(cu_seqlens, shape[0] * shape[1])
     lengths = [b - a for a, b in zip([0, *ends], ends, strict=False)]
     return {
-        "cu_seqlens": cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True),
+        "cu_seqlens": host_to_device(cu_seqlens.to(torch.int32), device),
         "max_seqlen": max(lengths),
         "seq_ends": tuple(ends),
     }

@@ -123,21 +123,22 @@ class ProbeTrainer(Trainer):
         self.local_grads = (True, 0.0)
         super().__init__(recipe, data=data)
 
-    def optimizer_step(self, loss_sum=None):
+    def optimizer_step(self, loss_sum=None, counts=None):
         # The gradients are this step's until the optimizer step zeroes them.
         self.local_grads = local_grad_stats(self.trainable)
-        return super().optimizer_step(loss_sum)
+        return super().optimizer_step(loss_sum, counts)
 
     def train_step(self, micro_batches):
         start = time.perf_counter()
         out = super().train_step(micro_batches)
-        targets = int(out["counts"][0])
+        host = out["host"]  # what the step's one synchronisation read back
+        targets = host["counts"][0]
         finite, local_norm = self.local_grads
         self.emit(
             {
                 "step": self.step,
-                "loss": self.logged_loss(float(out["global_loss_sum"]), targets),
-                "grad_norm": float(out["grad_norm"]),
+                "loss": self.logged_loss(host["loss_sum"], targets),
+                "grad_norm": host["grad_norm"],
                 "grads_finite": finite,
                 "local_grad_norm": local_norm,
                 "skipped": bool(out["skipped"]),

@@ -1,17 +1,20 @@
 """Host synchronisations per training step, counted on the CPU by value lineage (testing.host_sync).
 
 On a GPU each read of a device value on the host stalls the launch queue. The trainer's step
-makes exactly one by design: the finiteness check before AdamW writes the weights. Everything
+makes exactly one by design: the finiteness check before AdamW writes the weights, which brings
+back the step's log values in the same read (``read_step_values``). Everything
 else it needs on the host (token counts, image-token counts, right padding, image sizes, packing
 offsets) it reads from the loader's host batches before they move to the device.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
-from magistral_cli.engine.trainer import Trainer
+from magistral_cli.engine.trainer import Trainer, read_step_values
 from magistral_cli.testing.host_sync import HostSyncCounter
 
 from .helpers import make_recipe, write_tiny_model
@@ -67,7 +70,18 @@ def test_a_training_step_reads_the_device_once(tiny, tmp_path, accumulation):
     finally:
         trainer.close()
     assert with_images and without_images, "the synthetic batches should hold both kinds of micro-batch"
+    # The one read: read_step_values, which brings back the finiteness inputs and the log values.
+    lines, first = inspect.getsourcelines(read_step_values)
+    read_line = first + next(i for i, line in enumerate(lines) if ".tolist()" in line)
     for sites in per_step:
-        assert sum(sites.values()) == 1, sites
-        (site,) = sites
-        assert site.startswith("__bool__ at trainer.py"), site
+        assert sites == {f"tolist at trainer.py:{read_line}": 1}, sites
+
+
+def test_the_step_values_come_back_exact_in_one_read():
+    big = 2**60 + 12345  # beyond float64's exact integers
+    counts = torch.tensor([7, big, 2**53 + 1], dtype=torch.int64)
+    with HostSyncCounter() as counter:
+        host = read_step_values(torch.tensor(1.5), torch.tensor(float("nan")), counts.to("cpu"))
+    assert counter.count == 1, dict(counter.sites)
+    assert host["counts"] == [7, big, 2**53 + 1]
+    assert host["grad_norm"] == 1.5 and host["loss_sum"] != host["loss_sum"]  # NaN comes back as NaN
