@@ -6,7 +6,9 @@ What it loads (:func:`resolve_source`, :func:`load_generator`):
   ``Mistral3ForConditionalGeneration.from_pretrained`` (transformers 5 maps the official
   ``language_model.model.*`` keys itself), with the tying rule of :mod:`magistral_cli.model_config`;
 - a training checkpoint (a run directory, its ``checkpoints/``, or ``checkpoints/step_N``; also a
-  ``convert hf-to-dcp`` output with ``--base``): the model tensors are read by the export path
+  ``convert hf-to-dcp`` output with ``--base``), verified against its integrity record as every
+  reader of one is (``checkpoint.validate.resolve_dcp_checkpoint``: from a run, the newest intact
+  checkpoint; ``--allow-unverified`` for one without a record): the model tensors are read by the export path
   (:func:`magistral_cli.checkpoint.dcp_to_hf.read_dcp_model_state`, the same key, shape and dtype
   checks as ``convert dcp-to-hf``) straight into a model built from the base's config.json
   (``--base``, else the run's ``model.model_name_or_path``); no directory is written. A LoRA run's
@@ -136,6 +138,8 @@ class ModelSource:
     recipe: Any = None  # the run's resolved recipe, when there is one
     recipe_path: Path | None = None
     adapter: Path | None = None
+    #: Read a training checkpoint that has no integrity record (``--allow-unverified``).
+    allow_unverified: bool = False
 
     def describe(self) -> str:
         if self.kind == "hf":
@@ -173,9 +177,15 @@ def _find_run_recipe(checkpoint: Path) -> Path | None:
 
 
 def resolve_source(
-    model: str | Path, adapter: str | Path | None = None, base: str | Path | None = None
+    model: str | Path,
+    adapter: str | Path | None = None,
+    base: str | Path | None = None,
+    allow_unverified: bool = False,
 ) -> ModelSource:
-    """Classify ``--model``: an HF directory, a run / training checkpoint, or a mistake (UserError)."""
+    """Classify ``--model``: an HF directory, a run / training checkpoint, or a mistake (UserError).
+
+    A checkpoint is verified here (``CheckFailed`` naming a damaged file), before anything is loaded.
+    """
     from magistral_cli.checkpoint.validate import resolve_dcp_checkpoint
     from magistral_cli.engine.checkpoint import checkpoints_dir, resolve_save_dir
 
@@ -221,7 +231,7 @@ def resolve_source(
             f"--model {path} is not a model: no config.json with safetensors weights (an HF model directory), "
             "no DCP checkpoint (.metadata) and no checkpoints/step_N (a training run); pass one of those"
         )
-    checkpoint = resolve_dcp_checkpoint(search)
+    checkpoint = resolve_dcp_checkpoint(search, allow_unverified)
     if recipe is None:
         recipe_path = _find_run_recipe(checkpoint)
         recipe = _read_run_recipe(recipe_path) if recipe_path else None
@@ -247,12 +257,12 @@ def resolve_source(
 
     from magistral_cli.checkpoint.lora_export import is_lora_checkpoint
 
-    kind = "lora_checkpoint" if is_lora_checkpoint(checkpoint) else "checkpoint"
+    kind = "lora_checkpoint" if is_lora_checkpoint(checkpoint, allow_unverified) else "checkpoint"
     if kind == "lora_checkpoint" and adapter_dir is not None:
         raise UserError(
             f"{checkpoint} is a LoRA run's checkpoint: it is the base plus its own adapters; drop --adapter"
         )
-    return ModelSource(kind, base_dir, checkpoint, recipe, recipe_path, adapter_dir)
+    return ModelSource(kind, base_dir, checkpoint, recipe, recipe_path, adapter_dir, allow_unverified)
 
 
 def _check_adapter_dir(adapter: str | Path) -> Path:
@@ -541,6 +551,7 @@ def _load_checkpoint(source: ModelSource, dtype, device):
     from transformers import GenerationConfig, Mistral3ForConditionalGeneration
 
     from magistral_cli.checkpoint.dcp_to_hf import read_dcp_model_state
+    from magistral_cli.checkpoint.validate import resolve_dcp_checkpoint
     from magistral_cli.engine.model import materialize
     from magistral_cli.engine.weights import load_targets
     from magistral_cli.model_config import read_model_config, text_ties
@@ -551,9 +562,15 @@ def _load_checkpoint(source: ModelSource, dtype, device):
     materialize(model, device)  # storage for the parameters, rotary buffers recomputed in fp32
     if text_ties(config):
         model.tie_weights()
+    # Verified (again, or found unchanged since resolve_source): damage is CheckFailed, not a misfit.
+    checkpoint = resolve_dcp_checkpoint(source.checkpoint, source.allow_unverified)
     try:
         read_dcp_model_state(
-            source.checkpoint, source.model_dir, into=load_targets(model), allow_dtype_mismatch=True
+            checkpoint,
+            source.model_dir,
+            into=load_targets(model),
+            allow_dtype_mismatch=True,
+            allow_unverified=source.allow_unverified,
         )
     except CheckFailed as exc:
         problem = str(exc).replace(
@@ -570,14 +587,14 @@ def _load_checkpoint(source: ModelSource, dtype, device):
     return model.eval()
 
 
-def _apply_lora_checkpoint(model, checkpoint: Path) -> dict:
+def _apply_lora_checkpoint(model, checkpoint: Path, allow_unverified: bool = False) -> dict:
     """PEFT's LoRA layers in ``model`` (as training injects them) holding the checkpoint's adapters."""
     from peft import inject_adapter_in_model
 
     from magistral_cli.checkpoint.lora_export import fit_problems, lora_spec, read_lora_checkpoint
     from magistral_cli.checkpoint.lora_format import ADAPTER, peft_config
 
-    ck = read_lora_checkpoint(checkpoint)
+    ck = read_lora_checkpoint(checkpoint, allow_unverified)
     problems = fit_problems(ck, {key: tuple(value.shape) for key, value in model.state_dict().items()})
     if problems:
         raise UserError(
@@ -792,7 +809,7 @@ def load_generator(
         model = _load_checkpoint(source, torch_dtype, torch_device)
     else:
         model = _load_hf(source.model_dir, torch_dtype, torch_device)
-        lora = _apply_lora_checkpoint(model, source.checkpoint)
+        lora = _apply_lora_checkpoint(model, source.checkpoint, source.allow_unverified)
         model.eval()
     if source.adapter is not None:
         model = _apply_adapter(model, source.adapter)

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from magistral_cli.checkpoint.staging import current_umask
 from magistral_cli.errors import UserError
 
 MANIFEST_NAME = "magistral-manifest.json"
@@ -89,7 +90,7 @@ def write_manifest(model_dir: str | Path, entries: dict[str, ManifestEntry]) -> 
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp's file is private: a new file's mode instead
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

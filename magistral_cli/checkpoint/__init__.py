@@ -5,10 +5,12 @@ Public entry points (import them from their modules; this package imports nothin
 - ``keys``: ``official_to_transformers_key``, ``transformers_to_official_key``, ``to_transformers_key``,
   ``DCP_MODEL_PREFIX`` (where each DCP layout puts the model keys), ``CONVERSION_LAYOUTS``.
 - ``layout``: where things sit on disk: ``DCP_METADATA``, ``MEGATRON_RELEASE_DIR``, ``MEGATRON_TRACKER``,
-  ``LATEST``, ``step_dir_name``, ``is_dcp_dir``, ``latest_name``, ``list_checkpoints``.
+  ``LATEST``, ``step_dir_name``, ``is_dcp_dir``, ``latest_name``, ``list_checkpoints``, ``checkpoints_dir``.
+- ``integrity``: training checkpoints' ``integrity.json`` and the one check every reader makes:
+  ``verify_checkpoint``, ``require_intact``, ``newest_intact``, ``storage_problems``.
 - ``hf``: a Hugging Face model directory's files (``CONFIG``, ``WEIGHT_INDEX``, ``SINGLE_WEIGHTS``).
 - ``hf_to_dcp.convert_hf_to_dcp(model_dir, dcp_dir, layout="fsdp2"|"megatron", progress=None, fsync=False)``
 - ``dcp_to_hf.export_dcp_to_hf(dcp_dir, model_dir, out_dir, layout="official"|"transformers", progress=None, fsync=False)``
 - ``validate.validate_dcp(model_dir, dcp_dir, layout)`` (+ ``require_valid``), ``validate.model_keys(model_dir)``,
-  ``validate.resolve_dcp_checkpoint(path)``.
+  ``validate.resolve_dcp_checkpoint(path, allow_unverified=False)`` (verified: ``integrity``).
 """

@@ -451,18 +451,20 @@ def read_dcp_model_state(
     model_dir: str | Path,
     into: dict | None = None,
     allow_dtype_mismatch: bool = False,
+    allow_unverified: bool = False,
 ) -> tuple[Path, str, dict]:
     """The model tensors of a DCP checkpoint in memory, checked as ``export_dcp_to_hf`` checks them.
 
     Returns (checkpoint directory, DCP layout, transformers key -> tensor), tied aliases left out.
     ``into`` (transformers key -> tensor, e.g. a materialized model's state dict) receives the
     values in place, cast to its tensors' dtypes (one copy of the model in memory); without it
-    each tensor is allocated on the CPU in the checkpoint's dtype.
+    each tensor is allocated on the CPU in the checkpoint's dtype. The checkpoint is verified first
+    (``resolve_dcp_checkpoint``; ``allow_unverified`` reads a training checkpoint without its record).
     """
     import torch
 
     model_dir = require_model_dir(model_dir)
-    checkpoint_dir = resolve_dcp_checkpoint(dcp_dir)
+    checkpoint_dir = resolve_dcp_checkpoint(dcp_dir, allow_unverified)
     metadata, _, expected, dcp_layout = _check_model_tensors(checkpoint_dir, model_dir, allow_dtype_mismatch)
     prefix = DCP_MODEL_PREFIX[dcp_layout]
     state = {}
@@ -485,6 +487,7 @@ def export_dcp_to_hf(
     fsync: bool = False,
     direct: bool = True,
     allow_dtype_mismatch: bool = False,
+    allow_unverified: bool = False,
 ) -> ExportResult:
     """Write the model tensors of the DCP checkpoint ``dcp_dir`` as an HF model directory ``out_dir``.
 
@@ -497,7 +500,10 @@ def export_dcp_to_hf(
     the bytes of plain items file to file (the result is the same; the direct copy is faster).
     Every model tensor must be floating point; a conversion (fsdp2, megatron layout) must also
     have config.json's ``dtype`` unless ``allow_dtype_mismatch`` (a training checkpoint holds fp32
-    master weights and is exported as it is).
+    master weights and is exported as it is). A training checkpoint is verified against its
+    integrity record before anything is read (``resolve_dcp_checkpoint``: from a run's checkpoints/,
+    the newest intact one); ``allow_unverified`` reads one that has no record. Files are written
+    with the modes the user's umask gives new files (contents are copied, never modes).
     """
     import torch
     import torch.distributed.checkpoint as dcp
@@ -508,7 +514,7 @@ def export_dcp_to_hf(
     model_dir = require_model_dir(model_dir)
     out_dir = Path(out_dir)
     refuse_existing(out_dir, "output directory")
-    checkpoint_dir = resolve_dcp_checkpoint(dcp_dir)
+    checkpoint_dir = resolve_dcp_checkpoint(dcp_dir, allow_unverified)
     metadata, shapes, expected, dcp_layout = _check_model_tensors(
         checkpoint_dir, model_dir, allow_dtype_mismatch
     )
@@ -614,7 +620,7 @@ def export_dcp_to_hf(
             (tmp / WEIGHT_INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         copied = []
         for path in support_files(model_dir):
-            shutil.copy2(path, tmp / path.name)
+            shutil.copyfile(path, tmp / path.name)
             copied.append(path.name)
     return ExportResult(
         out_dir=out_dir,

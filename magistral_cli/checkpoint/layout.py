@@ -68,3 +68,11 @@ def list_checkpoints(save_dir: Path) -> list[tuple[int, Path]]:
         if match and entry.is_dir():
             found.append((int(match.group(1)), entry))
     return sorted(found, reverse=True)
+
+
+def checkpoints_dir(path: Path) -> Path | None:
+    """The directory of ``step_<N>`` checkpoints that ``path`` names: itself, or a run's ``checkpoints/``."""
+    for candidate in (Path(path), Path(path) / "checkpoints"):
+        if list_checkpoints(candidate):
+            return candidate
+    return None

@@ -116,11 +116,11 @@ def _model_tensor_keys(metadata) -> dict[str, Any]:
     }
 
 
-def is_lora_checkpoint(dcp_dir: str | Path) -> bool:
+def is_lora_checkpoint(dcp_dir: str | Path, allow_unverified: bool = False) -> bool:
     """Whether ``dcp_dir`` resolves to a training checkpoint holding LoRA adapters."""
     from .lora_format import is_adapter_key
 
-    checkpoint_dir = resolve_dcp_checkpoint(dcp_dir)
+    checkpoint_dir = resolve_dcp_checkpoint(dcp_dir, allow_unverified)
     return any(is_adapter_key(k) for k in _model_tensor_keys(read_dcp_metadata(checkpoint_dir)))
 
 
@@ -139,15 +139,15 @@ def _settings_from_run(checkpoint_dir: Path) -> tuple[dict | None, str | None]:
     return None, None
 
 
-def read_lora_checkpoint(dcp_dir: str | Path) -> LoraCheckpoint:
+def read_lora_checkpoint(dcp_dir: str | Path, allow_unverified: bool = False) -> LoraCheckpoint:
     """The adapters, modules to save and LoRA settings of a training checkpoint (all read into memory:
-    at 24B with r = 16 the adapters are 370 MB in fp32)."""
+    at 24B with r = 16 the adapters are 370 MB in fp32), verified first (``resolve_dcp_checkpoint``)."""
     import torch
 
     from .dcp_to_hf import load_in_process
     from .lora_format import is_adapter_key, read_checkpoint_record
 
-    checkpoint_dir = resolve_dcp_checkpoint(dcp_dir)
+    checkpoint_dir = resolve_dcp_checkpoint(dcp_dir, allow_unverified)
     metadata = read_dcp_metadata(checkpoint_dir)
     model_keys = _model_tensor_keys(metadata)
     adapter_keys = sorted(k for k in model_keys if is_adapter_key(k))
@@ -296,7 +296,11 @@ def write_adapter_config(ck: LoraCheckpoint, out_dir: Path, base_model_name_or_p
 
 
 def export_lora_adapters(
-    dcp_dir: str | Path, base_dir: str | Path, out_dir: str | Path, fsync: bool = False
+    dcp_dir: str | Path,
+    base_dir: str | Path,
+    out_dir: str | Path,
+    fsync: bool = False,
+    allow_unverified: bool = False,
 ) -> LoraExportResult:
     """Write PEFT's ``adapter_model.safetensors`` + ``adapter_config.json`` for the checkpoint's adapters."""
     from safetensors.torch import save_file
@@ -307,7 +311,7 @@ def export_lora_adapters(
     base_dir = require_model_dir(base_dir)
     out_dir = Path(out_dir)
     refuse_existing(out_dir, "output directory")
-    ck = read_lora_checkpoint(dcp_dir)
+    ck = read_lora_checkpoint(dcp_dir, allow_unverified)
     _check_against_base(ck, _base_specs(base_dir), base_dir)
     tensors = {peft_file_key(k): v.contiguous() for k, v in ck.tensors.items()}
     with staged_directory(out_dir, "output directory") as tmp:
@@ -349,7 +353,12 @@ def _data_offsets(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:
 
 
 def export_lora_merged(
-    dcp_dir: str | Path, base_dir: str | Path, out_dir: str | Path, fsync: bool = False, progress=None
+    dcp_dir: str | Path,
+    base_dir: str | Path,
+    out_dir: str | Path,
+    fsync: bool = False,
+    progress=None,
+    allow_unverified: bool = False,
 ) -> LoraExportResult:
     """Write the base's safetensors shards with the adapters merged into the adapted weights.
 
@@ -362,7 +371,7 @@ def export_lora_merged(
     base_dir = require_model_dir(base_dir)
     out_dir = Path(out_dir)
     refuse_existing(out_dir, "output directory")
-    ck = read_lora_checkpoint(dcp_dir)
+    ck = read_lora_checkpoint(dcp_dir, allow_unverified)
     base = _base_specs(base_dir)
     _check_against_base(ck, base, base_dir)
     weights = read_hf_weights(base_dir)
@@ -416,9 +425,9 @@ def export_lora_merged(
         if missing:
             raise CheckFailed(f"the base {base_dir} has no tensor for {missing[:5]}; nothing was written")
         if read_weight_index(base_dir) is not None:
-            shutil.copy2(base_dir / WEIGHT_INDEX, tmp / WEIGHT_INDEX)
+            shutil.copyfile(base_dir / WEIGHT_INDEX, tmp / WEIGHT_INDEX)
         for path in support_files(base_dir):
-            shutil.copy2(path, tmp / path.name)
+            shutil.copyfile(path, tmp / path.name)
             result.copied.append(path.name)
     result.seconds = time.perf_counter() - started
     return result
@@ -431,19 +440,24 @@ def export_lora(
     mode: str,
     fsync: bool = False,
     progress=None,
+    allow_unverified: bool = False,
 ) -> LoraExportResult:
     """``mode`` ``adapters`` (PEFT files) or ``merged`` (full HF weights) of a LoRA training checkpoint."""
     if mode == "adapters":
-        return export_lora_adapters(dcp_dir, base_dir, out_dir, fsync=fsync)
+        return export_lora_adapters(
+            dcp_dir, base_dir, out_dir, fsync=fsync, allow_unverified=allow_unverified
+        )
     if mode == "merged":
-        return export_lora_merged(dcp_dir, base_dir, out_dir, fsync=fsync, progress=progress)
+        return export_lora_merged(
+            dcp_dir, base_dir, out_dir, fsync=fsync, progress=progress, allow_unverified=allow_unverified
+        )
     raise UserError(f"unknown --lora {mode!r}; use one of {', '.join(MODES)}")
 
 
-def default_base(dcp_dir: str | Path) -> Path | None:
+def default_base(dcp_dir: str | Path, allow_unverified: bool = False) -> Path | None:
     """The base model directory the run trained on (``model.model_name_or_path`` it recorded), if it exists."""
     try:
-        ck_dir = resolve_dcp_checkpoint(dcp_dir)
+        ck_dir = resolve_dcp_checkpoint(dcp_dir, allow_unverified)
     except UserError:
         return None
     from .lora_format import read_checkpoint_record

@@ -19,6 +19,10 @@ metadata file may declare any key such an entry, so a checkpoint can reach that 
   saved again with ``torch.save`` and only that copy is handed to the planner, so the planner's
   ``weights_only=False`` load sees nothing but what ``weights_only`` allowed.
 
+Before anything is read, every data file the metadata names must exist and reach the end of its
+last item (``integrity.storage_problems``): a missing or truncated ``.distcp`` is named in one
+``CheckFailed`` instead of failing somewhere inside DCP's read.
+
 Tensor items are read as torch reads them (``torch.load(weights_only=True)``). Everything else
 (``storage_data``, ``load_id``, ``rank`` metadata files, transforms) is FileSystemReader's own.
 Every DCP read in magistral goes through ``SafeFileSystemReader`` or ``read_metadata``.
@@ -44,7 +48,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from magistral_cli.errors import UserError
+from magistral_cli.errors import CheckFailed, UserError
+
+from .integrity import storage_problems
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 
@@ -179,7 +185,13 @@ class _SafeBytesPlanner:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata and non-tensor reads run no code from the checkpoint."""
+    """``FileSystemReader`` whose metadata and non-tensor reads run no code from the checkpoint, and
+    which reads nothing from a checkpoint whose data files cannot hold what its metadata says
+    (``check_files=False`` leaves that to the caller, as ``convert validate`` reports it)."""
+
+    def __init__(self, path: Any, *args: Any, check_files: bool = True, **kwargs: Any):
+        super().__init__(path, *args, **kwargs)
+        self.check_files = check_files
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # FileSystemReader.read_metadata (torch 2.13) with pickle.load replaced: same file
@@ -190,6 +202,15 @@ class SafeFileSystemReader(FileSystemReader):
                 metadata = load_metadata_file(metadata_file, path)
         except OSError as exc:
             raise UserError(f"{path} cannot be read ({exc.strerror or exc})") from None
+        if self.check_files:
+            problems = storage_problems(Path(str(self.path)), metadata)
+            if problems:
+                raise CheckFailed(
+                    f"{Path(str(self.path))} is damaged: "
+                    + "; ".join(problems[:5])
+                    + "; nothing was read from it. "
+                    "Use an intact copy of the checkpoint (convert it again, or take another checkpoints/step_N)"
+                )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -201,9 +222,10 @@ class SafeFileSystemReader(FileSystemReader):
         return super().read_data(plan, planner)
 
 
-def read_metadata(path: str | os.PathLike) -> Metadata:
-    """The ``Metadata`` of the DCP checkpoint directory ``path``, read with ``MetadataUnpickler``."""
-    return SafeFileSystemReader(str(path)).read_metadata()
+def read_metadata(path: str | os.PathLike, check_files: bool = True) -> Metadata:
+    """The ``Metadata`` of the DCP checkpoint directory ``path``, read with ``MetadataUnpickler``
+    (and its data files checked against it unless ``check_files=False``)."""
+    return SafeFileSystemReader(str(path), check_files=check_files).read_metadata()
 
 
 __all__ = ["ADMITTED", "MetadataUnpickler", "SafeFileSystemReader", "load_metadata_file", "read_metadata"]

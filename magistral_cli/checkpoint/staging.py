@@ -3,6 +3,12 @@
 A conversion never touches an existing directory (existing checkpoints are preserved), and a
 failure (an error, a check that fails, Ctrl-C) removes what it had written: the target either
 appears complete or not at all.
+
+Modes: what appears has the modes the user's umask gives a new file or directory, whatever made
+them (``mkdtemp`` makes its directory private, safetensors' ``save_file`` writes 0600, a copy
+that kept its source's mode would carry that over): files copied in are copied by contents
+(``shutil.copyfile``), and every entry is set to ``0o666`` / ``0o777`` less the umask before the
+rename.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ def refuse_existing(target: Path, what: str) -> None:
         )
 
 
-def _umask() -> int:
+def current_umask() -> int:
+    """The process's umask (read by setting it and back: there is no other way to read it)."""
     umask = os.umask(0)
     os.umask(umask)
     return umask
@@ -40,12 +47,14 @@ def staged_directory(target: str | Path, what: str = "output directory") -> Iter
     try:
         yield tmp
         refuse_existing(target, what)  # created by someone else meanwhile
-        umask = _umask()
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private
+        umask = current_umask()
+        os.chmod(tmp, 0o777 & ~umask)
         for path in tmp.rglob("*"):
-            if path.is_file() and not path.is_symlink() and not path.stat().st_mode & 0o044:
-                # a writer that made its file private (safetensors' save_file writes 0600): the
-                # files of an export get the mode any file created here would have
+            if path.is_symlink():
+                continue
+            if path.is_dir():
+                os.chmod(path, 0o777 & ~umask)
+            elif path.is_file():
                 os.chmod(path, 0o666 & ~umask)
         os.rename(tmp, target)
     except BaseException:

@@ -21,8 +21,9 @@ from pathlib import Path
 from magistral_cli.errors import CheckFailed, UserError
 
 from .hf import CONFIG, require_model_dir
+from .integrity import fix_for, newest_intact, require_intact, verify_checkpoint
 from .keys import DCP_MODEL_PREFIX
-from .layout import DCP_METADATA, LATEST, MEGATRON_RELEASE_DIR, latest_name, list_checkpoints
+from .layout import DCP_METADATA, LATEST, MEGATRON_RELEASE_DIR, checkpoints_dir, latest_name
 
 SHOWN = 5
 
@@ -210,42 +211,43 @@ def compare_keys(
     )
 
 
-def resolve_dcp_checkpoint(dcp_dir: str | Path) -> Path:
-    """The directory that holds the DCP ``.metadata`` for ``dcp_dir``.
+def resolve_dcp_checkpoint(dcp_dir: str | Path, allow_unverified: bool = False) -> Path:
+    """The verified checkpoint directory (the one holding the DCP ``.metadata``) that ``dcp_dir`` names.
 
-    Accepts the checkpoint directory itself, a megatron-layout conversion (``<dir>/release``),
-    and a run's ``checkpoints/`` directory with its ``latest`` file.
+    Accepts the checkpoint directory itself, a megatron-layout conversion (``<dir>/release``), a
+    directory of training checkpoints (a run's ``checkpoints/``) and a run directory: from those
+    the newest intact ``step_<N>``, as resume takes it (``latest`` is a hint, warned about when it
+    disagrees). Every one passes ``integrity.verify_checkpoint`` (``CheckFailed`` naming the damaged
+    file otherwise); ``allow_unverified`` reads a training checkpoint that has no integrity record.
     """
     path = Path(dcp_dir)
     if not path.is_dir():
         raise UserError(f"DCP directory {path} does not exist")
     if (path / DCP_METADATA).is_file():
-        return path
+        return require_intact(path, allow_unverified)
     if (path / MEGATRON_RELEASE_DIR / DCP_METADATA).is_file():
-        return path / MEGATRON_RELEASE_DIR
+        return require_intact(path / MEGATRON_RELEASE_DIR, allow_unverified)
+    save_dir = checkpoints_dir(path)
+    if save_dir is not None:
+        return newest_intact(save_dir, allow_unverified, what=str(save_dir))
     name, problem = latest_name(path)
-    if name is not None and (path / name / DCP_METADATA).is_file():
-        return path / name
-    complete = [p for _, p in list_checkpoints(path) if (p / DCP_METADATA).is_file()]
-    if complete:
-        # latest is missing, names something else, or points outside: the newest step_N instead.
-        return complete[0]
     if (path / LATEST).exists() and (problem or name is not None):
         raise UserError(
             f"{path}: {problem or f'latest names {name}, which holds no complete DCP checkpoint ({DCP_METADATA})'}"
         )
     raise UserError(
         f"{path} holds no DCP checkpoint: no {DCP_METADATA} there, in {MEGATRON_RELEASE_DIR}/, "
-        "or behind a `latest` file"
+        "or in a step_N directory"
     )
 
 
-def read_dcp_metadata(checkpoint_dir: Path):
+def read_dcp_metadata(checkpoint_dir: Path, check_files: bool = True):
     """The DCP ``Metadata`` of a checkpoint directory, read by the restricted unpickler of
-    ``safe_dcp`` (a planted ``.metadata`` is refused before it can run anything)."""
+    ``safe_dcp`` (a planted ``.metadata`` is refused before it can run anything); ``CheckFailed``
+    when a data file it names is missing or too short, unless ``check_files=False``."""
     from .safe_dcp import read_metadata
 
-    return read_metadata(checkpoint_dir)
+    return read_metadata(checkpoint_dir, check_files=check_files)
 
 
 def dcp_shapes(metadata) -> dict[str, tuple[int, ...] | None]:
@@ -310,12 +312,27 @@ class DCPValidation:
     report: KeyReport
     #: When the keys do not match ``layout``: the layout they do match, if any.
     matching_layout: str | None = None
+    #: The files that do not hold what was saved: missing or short data files, and for a training
+    #: checkpoint every difference from its integrity record (``integrity.verify_checkpoint``).
+    file_problems: list[str] = field(default_factory=list)
+    #: A training checkpoint without an integrity record, checked as asked (``allow_unverified``).
+    unverified: bool = False
+    #: What to do about damaged files.
+    file_fix: str = ""
 
     @property
     def ok(self) -> bool:
-        return self.report.ok
+        return self.report.ok and not self.file_problems
 
     def message(self) -> str:
+        if self.file_problems:
+            text = f"DCP checkpoint {self.checkpoint_dir}: failed the check of its files: " + "; ".join(
+                self.file_problems[:SHOWN]
+            )
+            return f"{text}. {self.file_fix}" if self.report.ok else f"{text}. {self._keys_message()}"
+        return self._keys_message()
+
+    def _keys_message(self) -> str:
         fix = f"Convert the weights with `magistral convert hf-to-dcp --layout {self.layout}`"
         if self.layout == "engine":
             fix = "Pass a checkpoint that training wrote for this config.json"
@@ -328,7 +345,11 @@ class DCPValidation:
             "layout": self.layout,
             "checkpoint_dir": str(self.checkpoint_dir),
             **self.report.to_dict(),
+            "ok": self.ok,
             "matching_layout": self.matching_layout,
+            "file_problem_count": len(self.file_problems),
+            "file_problems": self.file_problems[:SHOWN],
+            "unverified": self.unverified,
         }
 
 
@@ -338,20 +359,25 @@ def validate_dcp(
     layout: str,
     expected: ModelKeys | None = None,
     allow_dtype_mismatch: bool = False,
+    allow_unverified: bool = False,
 ) -> DCPValidation:
     """Compare the model keys, shapes and dtypes of the DCP checkpoint ``dcp_dir`` (written in
-    ``layout``) with config.json.
+    ``layout``) with config.json, and its files with what was saved.
 
     ``layout`` is fsdp2, megatron (read from ``dcp_dir/release``) or engine (a training checkpoint:
     floating point required, not config.json's dtype). ``allow_dtype_mismatch`` accepts floating
     tensors of another dtype than config.json's; integer and bool tensors fail regardless.
+    The files: every data file ``.metadata`` names must exist and reach the end of its last item;
+    a training checkpoint is verified against its integrity record (every byte is read), and
+    without one it fails unless ``allow_unverified``.
     Returns the validation; ``require_valid`` turns a mismatch into ``CheckFailed``.
     """
     if layout not in DCP_MODEL_PREFIX:
         raise UserError(f"unknown DCP layout {layout!r}; use one of {sorted(DCP_MODEL_PREFIX)}")
     expected = expected or model_keys(model_dir)
     checkpoint_dir = dcp_checkpoint_dir(dcp_dir, layout)
-    metadata = read_dcp_metadata(checkpoint_dir)
+    metadata = read_dcp_metadata(checkpoint_dir, check_files=False)  # reported below, not raised
+    integrity = verify_checkpoint(checkpoint_dir, allow_unverified=allow_unverified)
     shapes = dcp_shapes(metadata)
     what = f"DCP checkpoint {checkpoint_dir} (layout {layout})"
     report = compare_keys(
@@ -363,7 +389,15 @@ def validate_dcp(
         dtype=required_dtype(expected, layout, allow_dtype_mismatch),
     )
     other = None if report.ok else detect_dcp_layout(expected, shapes)
-    return DCPValidation(layout, checkpoint_dir, report, other if other != layout else None)
+    return DCPValidation(
+        layout,
+        checkpoint_dir,
+        report,
+        other if other != layout else None,
+        file_problems=integrity.problems,
+        unverified=integrity.unverified,
+        file_fix=fix_for(integrity) if integrity.problems else "",
+    )
 
 
 def require_valid(validation: DCPValidation) -> DCPValidation:

@@ -65,6 +65,16 @@ AllowDtypeMismatch = Annotated[
     ),
 ]
 
+AllowUnverified = Annotated[
+    bool,
+    typer.Option(
+        "--allow-unverified",
+        help="Read a training checkpoint that has no integrity.json (a save from before training wrote "
+        "integrity records, whose files you trust). Without it such a checkpoint is refused: a removed record "
+        "looks the same. A checkpoint with a record is always verified, and refused when a file differs.",
+    ),
+]
+
 
 @contextmanager
 def _progress(description: str) -> Iterator[Callable[[int, int], None]]:
@@ -146,12 +156,21 @@ def validate(
         ),
     ] = ValidateLayout.fsdp2,
     allow_dtype_mismatch: AllowDtypeMismatch = False,
+    allow_unverified: AllowUnverified = False,
     json_out: JsonOut = False,
 ) -> None:
-    """Check every model key, shape and dtype of a DCP checkpoint against config.json (exit 1 on a mismatch)."""
+    """Check every model key, shape and dtype of a DCP checkpoint against config.json, and its files against
+    what was saved: every data file present and long enough; a training checkpoint against its integrity.json
+    (exit 1 on a mismatch)."""
     from magistral_cli.checkpoint.validate import require_valid, validate_dcp
 
-    validation = validate_dcp(model_dir, dcp_dir, layout.value, allow_dtype_mismatch=allow_dtype_mismatch)
+    validation = validate_dcp(
+        model_dir,
+        dcp_dir,
+        layout.value,
+        allow_dtype_mismatch=allow_dtype_mismatch,
+        allow_unverified=allow_unverified,
+    )
     if json_out:
         emit_json(validation.to_dict())  # printed on a mismatch too, before the exit code 1
     require_valid(validation)
@@ -164,7 +183,8 @@ def dcp_to_hf(
         Path,
         typer.Option(
             "--dcp-dir",
-            help="DCP checkpoint: a conversion (either layout) or a training checkpoint (checkpoints/step_N).",
+            help="DCP checkpoint: a conversion (either layout), a training checkpoint (checkpoints/step_N), or a "
+            "run's checkpoints/ (its newest intact checkpoint). Training checkpoints are verified first.",
             show_default=False,
         ),
     ],
@@ -205,38 +225,48 @@ def dcp_to_hf(
             show_default=False,
         ),
     ] = None,
+    allow_unverified: AllowUnverified = False,
     json_out: JsonOut = False,
 ) -> None:
     """Export the model weights of a DCP checkpoint as HF safetensors with the source's file split."""
     from magistral_cli.checkpoint.dcp_to_hf import export_dcp_to_hf
+    from magistral_cli.checkpoint.staging import refuse_existing
+    from magistral_cli.checkpoint.validate import resolve_dcp_checkpoint
     from magistral_cli.errors import UserError
 
     if merge and lora is LoraExport.adapters:
         raise UserError("--merge means --lora merged; drop one of --merge and --lora adapters")
     mode = LoraExport.merged if merge else lora
+    if mode is None and model_dir is None and base is None:
+        raise UserError(
+            "--model-dir is required: the HF model directory the checkpoint belongs to (a LoRA run's checkpoint "
+            "is exported with --lora adapters or --lora merged)"
+        )
+    refuse_existing(out_dir, "output directory")  # before the checkpoint is read (and verified)
+    # Resolved and verified once: from a run's checkpoints/, the newest intact step_N.
+    checkpoint = resolve_dcp_checkpoint(dcp_dir, allow_unverified)
     if mode is not None:
-        _export_lora(dcp_dir, base or model_dir, out_dir, mode.value, fsync, json_out)
+        _export_lora(checkpoint, base or model_dir, out_dir, mode.value, fsync, json_out, allow_unverified)
         return
     from magistral_cli.checkpoint.lora_export import is_lora_checkpoint
 
-    if _quietly(is_lora_checkpoint, dcp_dir):
+    if is_lora_checkpoint(checkpoint, allow_unverified):
         raise UserError(
-            f"{dcp_dir} is a LoRA run's checkpoint: it holds the adapters, not the model's weights; export it "
+            f"{checkpoint} is a LoRA run's checkpoint: it holds the adapters, not the model's weights; export it "
             "with --lora adapters (PEFT files) or --lora merged (full weights, needs --base)"
         )
     model_dir = model_dir or base
-    if model_dir is None:
-        raise UserError("--model-dir is required: the HF model directory the checkpoint belongs to")
 
     with _progress(f"dcp-to-hf ({layout.value})") as progress:
         result = export_dcp_to_hf(
-            dcp_dir,
+            checkpoint,
             model_dir,
             out_dir,
             layout.value,
             progress=progress,
             fsync=fsync,
             allow_dtype_mismatch=allow_dtype_mismatch,
+            allow_unverified=allow_unverified,
         )
     console.print(
         f"[green]wrote[/] {result.out_dir}: {len(result.files)} safetensors files, {result.tensors} tensors "
@@ -247,30 +277,28 @@ def dcp_to_hf(
         emit_json(result.to_dict())
 
 
-def _quietly(check, *args) -> bool:
-    """``check(*args)``, False where it cannot tell (the export then reports the problem itself)."""
-    from magistral_cli.errors import MagistralError
-
-    try:
-        return bool(check(*args))
-    except (MagistralError, OSError, ValueError):
-        return False
-
-
 def _export_lora(
-    dcp_dir: Path, base: Path | None, out_dir: Path, mode: str, fsync: bool, json_out: bool
+    dcp_dir: Path,
+    base: Path | None,
+    out_dir: Path,
+    mode: str,
+    fsync: bool,
+    json_out: bool,
+    allow_unverified: bool,
 ) -> None:
     from magistral_cli.checkpoint.lora_export import default_base, export_lora
     from magistral_cli.errors import UserError
 
-    base = base or default_base(dcp_dir)
+    base = base or default_base(dcp_dir, allow_unverified)
     if base is None:
         raise UserError(
             f"--lora {mode} needs the base model directory: pass --base DIR (the model the run trained on; "
             "the checkpoint's recorded model.model_name_or_path is not a directory here)"
         )
     with _progress(f"dcp-to-hf (lora {mode})") as progress:
-        result = export_lora(dcp_dir, base, out_dir, mode, fsync=fsync, progress=progress)
+        result = export_lora(
+            dcp_dir, base, out_dir, mode, fsync=fsync, progress=progress, allow_unverified=allow_unverified
+        )
     if mode == "adapters":
         what = (
             f"{result.tensors} adapter tensors ({result.bytes / 2**20:.1f} MiB) in {', '.join(result.files)}"

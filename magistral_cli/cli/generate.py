@@ -122,6 +122,14 @@ def generate(
     dtype: Annotated[
         DType, typer.Option("--dtype", help="Weights dtype; auto: config.json's (bfloat16 for Magistral).")
     ] = DType.auto,
+    allow_unverified: Annotated[
+        bool,
+        typer.Option(
+            "--allow-unverified",
+            help="Read a training checkpoint that has no integrity.json (a save from before training wrote "
+            "integrity records, whose files you trust); without it such a checkpoint is refused.",
+        ),
+    ] = False,
     show_tokens: Annotated[
         bool,
         typer.Option(
@@ -164,7 +172,7 @@ def generate(
     options = SamplingOptions(max_new_tokens, greedy, temperature, top_p, seed)
     options.check()
 
-    source = resolve_source(model, adapter=adapter, base=base)
+    source = resolve_source(model, adapter=adapter, base=base, allow_unverified=allow_unverified)
     encoder = PromptEncoder.for_source(source)
     # Encode before loading the model: a bad image or row fails in a second, not after the load.
     if batch:

@@ -29,3 +29,18 @@ def tiny_hf(tmp_path_factory) -> TinyCheckpoint:
     hf_dir = save_official_checkpoint(model, tmp_path_factory.mktemp("tiny") / "hf", num_shards=2)
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
     return TinyCheckpoint(hf_dir, state, config)
+
+
+def record_integrity(checkpoint: Path, step: int) -> Path:
+    """Write ``integrity.json`` for a checkpoint saved with ``dcp.save``, as the trainer's save records its
+    files (``checkpoint.integrity.write_integrity`` over every data file's size and xxh3-64)."""
+    from magistral_cli.checkpoint.integrity import describe_file, write_integrity
+
+    write_integrity(checkpoint, {p.name: describe_file(p) for p in sorted(checkpoint.glob("*.distcp"))}, step)
+    return checkpoint
+
+
+@pytest.fixture(scope="session")
+def recorded():
+    """``recorded(checkpoint, step)``: ``record_integrity`` (a training checkpoint needs its record)."""
+    return record_integrity

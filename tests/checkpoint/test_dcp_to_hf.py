@@ -68,7 +68,7 @@ def test_export_loads_with_from_pretrained_and_gives_the_same_logits(tiny_hf, tm
     assert torch.equal(actual, expected)
 
 
-def test_engine_training_checkpoint_exports_model_weights_only(tiny_hf, tmp_path):
+def test_engine_training_checkpoint_exports_model_weights_only(tiny_hf, tmp_path, recorded):
     """A checkpoint as the engine writes it: {"model", "optimizer", "scheduler", "rng", "dataloader", "step"}."""
     trained = {k: (v.float() + 0.5).to(torch.bfloat16) for k, v in tiny_hf.state.items()}
     run = tmp_path / "run" / "checkpoints"
@@ -81,6 +81,7 @@ def test_engine_training_checkpoint_exports_model_weights_only(tiny_hf, tmp_path
         "step": 3,
     }
     dcp.save(state, checkpoint_id=run / "step_3")
+    recorded(run / "step_3", 3)
     (run / "latest").write_text("step_3\n")
     result = export_dcp_to_hf(run, tiny_hf.hf_dir, tmp_path / "out")  # through checkpoints/latest
     assert result.dcp_layout == "engine" and result.checkpoint_dir == run / "step_3"

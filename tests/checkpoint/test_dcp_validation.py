@@ -49,9 +49,10 @@ def test_wrong_tensor_shapes_rejected(tiny_hf, tmp_path):
         require_valid(validation)
 
 
-def test_engine_checkpoint_validates_as_engine_only(tiny_hf, tmp_path):
+def test_engine_checkpoint_validates_as_engine_only(tiny_hf, tmp_path, recorded):
     ckpt = tmp_path / "step_3"
     dcp.save({"model": dict(tiny_hf.state), "step": 3}, checkpoint_id=ckpt)
+    recorded(ckpt, 3)
     assert validate_dcp(tiny_hf.hf_dir, ckpt, "engine").ok
     assert not validate_dcp(tiny_hf.hf_dir, ckpt, "fsdp2").ok
     assert not validate_dcp(tiny_hf.hf_dir, ckpt, "megatron").ok

@@ -37,9 +37,10 @@ def _save_sharded(rank: int, config, state: dict, path: str) -> None:
     dcp.save({"model": sd, "step": 7}, checkpoint_id=path)
 
 
-def test_fsdp2_sharded_checkpoint_exports_whole_tensors(tiny_hf, tmp_path):
+def test_fsdp2_sharded_checkpoint_exports_whole_tensors(tiny_hf, tmp_path, recorded):
     ckpt = tmp_path / "checkpoints" / "step_7"
     spawn_ranks(_save_sharded, 2, (tiny_hf.config, tiny_hf.state, str(ckpt)))
+    recorded(ckpt, 7)
     from magistral_cli.checkpoint.validate import read_dcp_metadata
 
     metadata = read_dcp_metadata(ckpt)

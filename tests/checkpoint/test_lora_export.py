@@ -311,3 +311,25 @@ def test_convert_cli_exports_both_ways_and_refuses_a_plain_export(trained, tmp_p
     assert (
         wrong.exit_code == 2 and "holds no LoRA adapters" in wrong.output and "without --lora" in wrong.output
     )
+
+
+@pytest.mark.parametrize("mode", ["merged", "adapters"])
+def test_lora_exports_follow_the_umask_not_the_bases_modes(trained, tmp_path, mode):
+    """The base's config.json (0644 here) is copied by contents: under umask 077 the export is private."""
+    import os
+    import stat
+
+    from magistral_cli.checkpoint.lora_export import export_lora
+
+    assert stat.S_IMODE((trained["fp32"] / "config.json").stat().st_mode) & 0o044  # readable by others
+    out = tmp_path / mode
+    old = os.umask(0o077)
+    try:
+        export_lora(trained["checkpoint"], trained["fp32"], out, mode)
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert stat.S_IMODE(out.stat().st_mode) == 0o700
+    assert set(modes.values()) == {0o600}, {k: oct(v) for k, v in modes.items()}
+    if mode == "merged":
+        assert {"config.json", "model.safetensors.index.json"} <= set(modes)

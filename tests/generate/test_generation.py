@@ -15,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from PIL import Image
 
+from magistral_cli.checkpoint.integrity import describe_file, write_integrity
 from magistral_cli.config.schema import DatasetAttr
 from magistral_cli.data.encoder import EncodedSample, EncodeParams, Encoder
 from magistral_cli.data.pixtral import load_pixel_values
@@ -178,6 +179,8 @@ def _run_dir(tmp_path, base, state, **data_basic):
     (run / "checkpoints").mkdir(parents=True)
     (run / "resolved_config.yaml").write_text("# resolved\n" + recipe_to_yaml(recipe), encoding="utf-8")
     dcp.save(state, checkpoint_id=run / "checkpoints" / "step_2")
+    files = {p.name: describe_file(p) for p in (run / "checkpoints" / "step_2").glob("*.distcp")}
+    write_integrity(run / "checkpoints" / "step_2", files, 2)  # as the trainer's save records it
     (run / "checkpoints" / "latest").write_text("step_2\n")
     return run
 
