@@ -13,7 +13,9 @@ Where a file's expected sum comes from, in order:
    SHA-256, so even the first download is checked end to end. A file the Hub gives no SHA-256 for
    is recorded as it is (status ``recorded``).
 
-``verify_only`` touches no network: missing files and shards without a recorded sum fail.
+``verify_only`` touches no network and changes nothing: missing files and shards without a
+recorded sum fail, and a file that does not match is reported and left where it is, unless
+``quarantine`` asks for it to be moved aside (``magistral fetch --verify-only --quarantine``).
 """
 
 from __future__ import annotations
@@ -143,10 +145,12 @@ class _Fetcher:
         verify_only: bool,
         progress: FetchProgress,
         workers: int | None,
+        quarantine: bool = True,
     ) -> None:
         self.dir = model_dir
         self.lock = lock
         self.verify_only = verify_only
+        self.quarantine = quarantine
         self.offline = verify_only or hub_offline()
         self.progress = progress
         self.workers = workers
@@ -267,11 +271,17 @@ class _Fetcher:
         detail = f"expected sha256 {expected_sha} ({source}), actual {sha}"
         if size_bad:
             detail += f"; expected {expected_bytes} bytes, actual {size}"
-        try:
-            res.quarantined_to = str(quarantine(self.dir, f.name))
-            where = f"moved to {res.quarantined_to}; run `magistral fetch` to download it again"
-        except OSError as exc:
-            where = f"could not move it aside ({exc}): delete it before using this directory"
+        if not self.quarantine:
+            where = (
+                "left in place (--verify-only changes nothing): `magistral fetch` moves it aside and downloads "
+                "it again, or add --quarantine to move it aside now"
+            )
+        else:
+            try:
+                res.quarantined_to = str(quarantine(self.dir, f.name))
+                where = f"moved to {res.quarantined_to}; run `magistral fetch` to download it again"
+            except OSError as exc:
+                where = f"could not move it aside ({exc}): delete it before using this directory"
         if source == "manifest":
             where += (
                 f" (the expected sum was recorded in magistral-manifest.json at {self.manifest[f.name].verified_at};"
@@ -289,18 +299,27 @@ def fetch_assets(
     verify_only: bool = False,
     progress: FetchProgress | None = None,
     workers: int | None = None,
+    quarantine: bool | None = None,
 ) -> FetchReport:
     """Download (unless ``verify_only``) and verify the lock's files in ``model_dir``.
 
     Returns the report; call ``report.raise_for_failures()`` to turn failures into an exit code.
-    Writes ``model_dir/magistral-manifest.json`` (not with ``verify_only``, which only reads,
-    apart from moving bad files aside).
+    Writes ``model_dir/magistral-manifest.json`` (not with ``verify_only``, which only reads).
+    A file that does not match is moved into ``.magistral-quarantine/``: always when fetching (a
+    new copy replaces it), with ``verify_only`` only when ``quarantine`` is true (a check moves
+    nothing of the user's unless asked).
     """
     import time
 
     t0 = time.perf_counter()
     lock = lock if isinstance(lock, AssetLock) else load_lock(lock)
     model_dir = Path(model_dir).expanduser().resolve()
+    if quarantine is None:
+        quarantine = not verify_only
+    elif not verify_only and not quarantine:
+        raise UserError(
+            "a fetch moves a file that does not match aside before downloading it again; drop quarantine=False"
+        )
     if verify_only and not model_dir.is_dir():
         raise UserError(
             f"--model-dir {model_dir} does not exist; run `magistral fetch --model-dir {model_dir}` first"
@@ -309,7 +328,7 @@ def fetch_assets(
         raise UserError(f"--model-dir {model_dir} is a file; pass a directory")
     if not verify_only:
         model_dir.mkdir(parents=True, exist_ok=True)
-    fetcher = _Fetcher(model_dir, lock, verify_only, progress or FetchProgress(), workers)
+    fetcher = _Fetcher(model_dir, lock, verify_only, progress or FetchProgress(), workers, quarantine)
 
     plain = lock.select(tokenizer_source)
     results = fetcher.run_group(plain)
@@ -355,7 +374,7 @@ def verify_model_dir(
     model_dir: str | Path, lock: AssetLock | str | Path | None = None, **kwargs
 ) -> FetchReport:
     """``fetch_assets(..., verify_only=True)`` that raises on any failure: for other commands that
-    want to know a model directory is intact before they use it."""
+    want to know a model directory is intact before they use it (nothing is moved)."""
     report = fetch_assets(model_dir, lock, verify_only=True, **kwargs)
     report.raise_for_failures()
     return report

@@ -114,7 +114,16 @@ def fetch_command(
         bool,
         typer.Option(
             "--verify-only",
-            help="No network: check the files in --model-dir against the manifest and the lock.",
+            help="No network, no change: check the files in --model-dir against the manifest and the lock, and "
+            "report a file that does not match without moving it.",
+        ),
+    ] = False,
+    quarantine: Annotated[
+        bool,
+        typer.Option(
+            "--quarantine",
+            help="With --verify-only: move a file that does not match into DIR/.magistral-quarantine/ "
+            "(a fetch always does, before downloading it again).",
         ),
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
@@ -125,7 +134,8 @@ def fetch_command(
     connection resumes with a Range request; completed files are kept across runs). Every file is
     hashed and compared with the lock (or, for weight shards, with the sum recorded at first
     download); DIR/magistral-manifest.json records the result. A file that does not match is moved
-    to DIR/.magistral-quarantine/ and the command exits 1.
+    to DIR/.magistral-quarantine/ (with --verify-only only if --quarantine is given) and the command
+    exits 1.
     """
     from rich.progress import (
         BarColumn,
@@ -139,6 +149,13 @@ def fetch_command(
     from magistral_cli.assets.fetch import fetch_assets
     from magistral_cli.assets.lock import load_lock
 
+    if quarantine and not verify_only:
+        from magistral_cli.errors import UserError
+
+        raise UserError(
+            "--quarantine applies to --verify-only (a fetch always moves a file that does not match aside "
+            "before downloading it again); add --verify-only or drop --quarantine"
+        )
     lock_obj = load_lock(lock)
     with Progress(
         TextColumn("{task.description}"),
@@ -155,6 +172,7 @@ def fetch_command(
             weights=not no_weights,
             tokenizer_source=tokenizer_source.value,
             verify_only=verify_only,
+            quarantine=quarantine or not verify_only,
             progress=_RichFetchProgress(progress),
         )
     if as_json:

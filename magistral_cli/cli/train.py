@@ -44,7 +44,25 @@ def train(
         bool,
         typer.Option(
             "--dry-run",
-            help="Resolve, write the run directory, print the command and the per-rank memory plan, and stop.",
+            help="Resolve and check as a launch does, print the command and the per-rank memory plan, and stop: "
+            "nothing is started or written.",
+        ),
+    ] = False,
+    share_checkpoints: Annotated[
+        bool,
+        typer.Option(
+            "--share-checkpoints",
+            help="Write into a training.save directory that another run owns, on purpose: this run resumes its "
+            "newest checkpoint and moves its `latest` (recorded in that directory).",
+        ),
+    ] = False,
+    restart_data: Annotated[
+        bool,
+        typer.Option(
+            "--restart-data",
+            help="Resume a checkpoint under a changed data set-up (dataset, world size, micro-batch, "
+            "accumulation, seed, order): its weights, optimizer and step, with the data order started again "
+            "(recorded in run_identity.json).",
         ),
     ] = False,
     json_out: Annotated[
@@ -104,6 +122,8 @@ def train(
             dry_run=dry_run,
             json_out=json_out,
             slurm_only=slurm_only,
+            share_checkpoints=share_checkpoints,
+            restart_data=restart_data,
         )
         return
     given = [flag for flag, value in slurm_only.items() if value is not None]
@@ -119,6 +139,8 @@ def train(
         master_addr=master_addr,
         master_port=master_port,
         dry_run=dry_run,
+        share_checkpoints=share_checkpoints,
+        restart_data=restart_data,
     )
     from .output import rows_progress
 
@@ -128,7 +150,7 @@ def train(
     if json_out:
         emit_json(plan.to_json())
     if dry_run:
-        console.print("[green]dry run:[/] nothing was started.")
+        console.print("[green]dry run:[/] nothing was started or written.")
         return
     code = run_launch(plan, console, node_rank=node_rank)
     raise typer.Exit(code)
@@ -146,6 +168,8 @@ def _train_slurm(
     dry_run: bool,
     json_out: bool,
     slurm_only: dict,
+    share_checkpoints: bool = False,
+    restart_data: bool = False,
 ) -> None:
     from magistral_cli.errors import UserError
     from magistral_cli.launch.slurm import SlurmOptions, plan_slurm, submit
@@ -169,7 +193,14 @@ def _train_slurm(
         job_name=slurm_only["--job-name"],
         master_port=master_port,
     )
-    plan = plan_slurm(recipe, overrides, options, dry_run=dry_run)
+    plan = plan_slurm(
+        recipe,
+        overrides,
+        options,
+        dry_run=dry_run,
+        share_checkpoints=share_checkpoints,
+        restart_data=restart_data,
+    )
     plan.render(console)
     job_id = None
     if dry_run:

@@ -1,8 +1,10 @@
 """The torchrun launcher behind ``magistral train``.
 
-``plan_launch`` resolves the recipe, checks it against the world size, creates the run
-directory (``resolved_config.yaml``, ``run_identity.json``, ``logs/``) and builds the exact
-torchrun command and the environment it adds. ``run_launch`` runs it and returns the
+``plan_launch`` resolves the recipe, checks it against the world size, checks what it may write
+and where (``rundir``: the run directory, the checkpoint directory's owner, checkpoints left
+behind, a resume under a changed set-up), creates the run directory (``resolved_config.yaml``,
+``run_identity.json``, ``logs/``) and builds the exact torchrun command and the environment it
+adds. A dry run checks the same and writes nothing. ``run_launch`` runs it and returns the
 training's exit status: a failing rank fails the command.
 
 Multi-node runs use torchrun's own static rendezvous (``--nnodes --node-rank
@@ -28,7 +30,7 @@ from typing import Any
 from magistral_cli.config import check_world_size, load_recipe, recipe_to_yaml
 from magistral_cli.config.schema import Recipe
 from magistral_cli.errors import UserError
-from magistral_cli.run_record import RESOLVED_CONFIG
+from magistral_cli.run_record import RESOLVED_CONFIG, RESUME_KEY
 from magistral_cli.versions import check_supported_versions
 
 from .device import device_defaults, merge_env, resolve_device
@@ -45,7 +47,18 @@ class LaunchOptions:
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
+    #: Start nothing, write nothing (the checks run, and what this machine lacks only warns).
     dry_run: bool = False
+    #: With ``dry_run``: write the run directory all the same, for a job started elsewhere (``--slurm``).
+    write_run_dir: bool = False
+    #: Write into a checkpoint directory that another run owns, on purpose (``--share-checkpoints``).
+    share_checkpoints: bool = False
+    #: Resume a checkpoint under a changed data set-up, the data order started again (``--restart-data``).
+    restart_data: bool = False
+
+    @property
+    def writes(self) -> bool:
+        return not self.dry_run or self.write_run_dir
 
 
 @dataclass
@@ -67,6 +80,12 @@ class LaunchPlan:
     lock: Any = None
     #: The padding estimate (``padding_section``): the dataset's cache entry, a note, the estimate.
     padding: dict[str, Any] | None = None
+    #: The run's id (kept across its launches; a checkpoint directory records its owner's).
+    run_id: str | None = None
+    #: How this launch resumes (``rundir.ResumeDecision.record()``), None for a fresh start.
+    resume: dict[str, Any] | None = None
+    #: Whether the run directory was written (a dry run writes nothing).
+    written: bool = False
 
     @property
     def command_line(self) -> str:
@@ -78,6 +97,10 @@ class LaunchPlan:
             "run_dir": str(self.run_dir),
             "resolved_config": str(self.run_dir / RESOLVED_CONFIG),
             "run_identity": str(self.run_dir / "run_identity.json"),
+            "written": self.written,
+            "run_id": self.run_id,
+            "resume": self.resume,
+            "resolved_recipe": self.recipe.model_dump(mode="json"),
             "device": self.device,
             "nproc_per_node": self.nproc_per_node,
             "nnodes": self.nnodes,
@@ -314,7 +337,14 @@ def _memory_plan(
         )
         return None
     from magistral_cli.engine.memory_plan import plan_recipe
+    from magistral_cli.model_config import read_model_config
+    from magistral_cli.ops.context_parallel import check_cp_model
 
+    # The rules that need the model's config, as the ranks check them: Ulysses splits the heads.
+    config = read_model_config(
+        model_dir, trust_remote_code=recipe.model.trust_remote_code, what="model.model_name_or_path"
+    )
+    check_cp_model(config.text_config, recipe.parallel.ulysses_parallel_size)
     plan = plan_recipe(recipe, device=device, world_size=world_size, nproc_per_node=nproc, detected=detected)
     warnings.extend(plan.warnings)
     return plan
@@ -343,14 +373,12 @@ def planned_saves(training) -> int:
 def _check_save_dir(
     recipe: Recipe, save_dir: Path, memory, warnings: list[str], options: LaunchOptions
 ) -> None:
-    """Stale temporaries removed, no fresh start over checkpoints, writable, room for the saves."""
+    """Stale temporaries removed, writable, room for the saves."""
     import shutil
 
     from magistral_cli.engine import checkpoint as ckpt
 
     training = recipe.training
-    if training.resume == "never":
-        ckpt.refuse_fresh_start(save_dir)
     if options.dry_run or options.node_rank != 0:
         return
     for stale in ckpt.remove_stale_temporaries(save_dir):
@@ -475,40 +503,138 @@ def plan_launch(
     from magistral_cli.engine.loggers import check_logger_available
 
     check_logger_available(recipe)  # tools.logger's package, before any rank starts
+    run_dir = Path(recipe.training.output_dir or _default_run_dir(recipe_path)).absolute()
+    recipe.parallel.device = device  # type: ignore[assignment]
+    recipe.parallel.nproc_per_node = nproc
+    from magistral_cli.run_lock import RunLock
+
+    if options.writes:  # a job running in this directory first: the checks below would read its files
+        RunLock(run_dir, options.node_rank).check_free()
+    # What the launch may write and where (reads only, so a refusal is quick and leaves nothing).
+    dest = _check_destinations(recipe, recipe_path, options, run_dir, warnings)
     # Pre-flight in this process, before any rank starts: config.json, the tying rule and every
     # module pattern against the meta model (the memory plan builds it), then the save directory.
     detected = warning is None and count is not None
     memory = _memory_plan(recipe, device, world_size, nproc, detected, warnings, required=not options.dry_run)
 
-    run_dir = Path(recipe.training.output_dir or _default_run_dir(recipe_path)).absolute()
-    # Before anything is written there: a job running in this directory keeps its files.
-    from magistral_cli.run_lock import RunLock
-
-    recipe.parallel.device = device  # type: ignore[assignment]
-    recipe.parallel.nproc_per_node = nproc
-    lock = RunLock(run_dir, options.node_rank).acquire()
+    # Before anything is written there: a job running in this directory keeps its files. A dry
+    # run writes nothing, so it takes no lock.
+    created = not run_dir.exists()
+    lock = RunLock(run_dir, options.node_rank).acquire() if options.writes else None
     try:
-        plan = _write_run_dir(recipe, recipe_path, overrides, options, run_dir, memory, warnings, progress)
+        plan = _write_run_dir(recipe, recipe_path, overrides, options, dest, memory, warnings, progress, lock)
         plan.device, plan.nproc_per_node, plan.world_size = device, nproc, world_size
     except BaseException:
-        lock.release()
+        if lock is not None:
+            lock.release()
+            if created:
+                _remove_if_empty(run_dir, lock.path)
         raise
-    if options.dry_run:
+    if lock is not None and options.dry_run:
         lock.release()
     else:
         plan.lock = lock
     return plan
 
 
-def _write_run_dir(
-    recipe, recipe_path, overrides, options, run_dir, memory, warnings, progress=None
-) -> LaunchPlan:
-    """Check the save directory, write resolved_config.yaml and run_identity.json, encode the data."""
-    device, nproc = recipe.parallel.device, recipe.parallel.nproc_per_node
-    world_size = nproc * options.nnodes
+def _remove_if_empty(run_dir: Path, lock_file: Path) -> None:
+    """A run directory this launch created and wrote nothing into (a refused launch) is removed."""
+    with contextlib.suppress(OSError):
+        if [p.name for p in run_dir.iterdir()] == [lock_file.name]:
+            lock_file.unlink()
+            run_dir.rmdir()
+
+
+@dataclass
+class _Destinations:
+    """What ``_check_destinations`` found: where the launch writes, and how it resumes."""
+
+    run_dir: Path
+    save_dir: Path | None
+    run_id: str
+    identity: dict[str, Any]
+    #: The warning of a checkpoint directory shared on purpose, else None.
+    shared: str | None = None
+    decision: Any = None
+
+
+def _check_destinations(recipe, recipe_path, options, run_dir, warnings) -> _Destinations:
+    """The checks of ``rundir`` (the run directory, the checkpoint directory's owner, checkpoints
+    left behind, a resume under a changed set-up) and the run identity: reads only, no lock."""
+    import uuid
+
     from magistral_cli.engine.checkpoint import resolve_save_dir
 
-    save_dir = resolve_save_dir(recipe.training.save, run_dir)
+    from . import rundir
+
+    device, nproc = recipe.parallel.device, recipe.parallel.nproc_per_node
+    world_size = nproc * options.nnodes
+    training, basic = recipe.training, recipe.data.dataset_param.basic_parameters
+    save_dir = resolve_save_dir(training.save, run_dir)
+    previous = rundir.read_previous(run_dir)
+    rundir.check_run_dir(run_dir, previous, save_dir)
+    rundir.check_inputs_not_outputs(
+        run_dir,
+        [("the recipe", recipe_path), ("the dataset", basic.dataset), ("training.load", training.load)],
+    )
+    run_id = str((previous.identity or {}).get("run_id") or uuid.uuid4().hex)
+    shared = None
+    if save_dir is not None:
+        shared = rundir.check_save_owner(save_dir, run_dir, run_id, previous, share=options.share_checkpoints)
+    rundir.check_checkpoints_kept(run_dir, previous, save_dir, training.load)
+    if save_dir is not None and training.resume == "never":
+        from magistral_cli.engine.checkpoint import refuse_fresh_start
+
+        refuse_fresh_start(save_dir)
+    recipe.training.output_dir = str(run_dir)
+    identity = build_identity(
+        recipe_path=recipe_path,
+        dataset=basic.dataset,
+        model_dir=recipe.model.model_name_or_path,
+        device=device,
+        world_size=world_size,
+        nnodes=options.nnodes,
+        nproc_per_node=nproc,
+        env={**os.environ, **merge_env(device_defaults(device, nproc), dict(os.environ))[0]},
+    )
+    resolved = recipe.model_dump(mode="json")
+    setup = rundir.data_setup(resolved, world_size, identity["dataset"])
+    decision = rundir.decide_resume(
+        save_dir, resolved, setup, world_size, previous, restart_data=options.restart_data
+    )
+    if decision is not None and decision.message():
+        warnings.append(decision.message())
+    if options.restart_data and (decision is None or decision.data != "restart"):
+        warnings.append(
+            "--restart-data has no effect: this launch "
+            + (
+                "starts fresh"
+                if decision is None
+                else f"resumes {decision.checkpoint} under the data set-up it was saved under"
+            )
+        )
+    identity.update(run_id=run_id, data_setup=setup)
+    identity[RESUME_KEY] = decision.record() if decision is not None else None
+    return _Destinations(run_dir, save_dir, run_id, identity, shared, decision)
+
+
+def _write_run_dir(
+    recipe, recipe_path, overrides, options, dest, memory, warnings, progress=None, lock=None
+) -> LaunchPlan:
+    """Unless a dry run: claim the save directory, remove stale temporaries, check the room for
+    the checkpoints, write run_identity.json, resolved_config.yaml and logs/, encode the data."""
+    from magistral_cli.run_lock import SaveDirClaim
+
+    device, nproc = recipe.parallel.device, recipe.parallel.nproc_per_node
+    world_size = nproc * options.nnodes
+    run_dir, save_dir, identity = dest.run_dir, dest.save_dir, dest.identity
+    claim = None
+    if lock is not None and save_dir is not None and options.node_rank == 0:
+        # Locked before anything there is touched (stale temporaries): no other job writes it now.
+        claim = SaveDirClaim(save_dir)
+        lock.hold(claim)
+        if save_dir.is_dir():
+            claim.lock()
     if save_dir is None:
         warnings.append(
             "no checkpoint will be written (training.save is not set, as in the seed's configs), so this run "
@@ -516,28 +642,22 @@ def _write_run_dir(
         )
     else:
         _check_save_dir(recipe, save_dir, memory, warnings, options)
-    recipe.training.output_dir = str(run_dir)
-
+    if dest.shared:
+        warnings.append(dest.shared)
     added, kept = merge_env(device_defaults(device, nproc), dict(os.environ))
     command = build_command(options, nproc, run_dir)
 
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    (run_dir / RESOLVED_CONFIG).write_text(
-        f"# Resolved from {recipe_path} with overrides: {' '.join(overrides) or '(none)'}\n"
-        + recipe_to_yaml(recipe),
-        encoding="utf-8",
-    )
-    identity = build_identity(
-        recipe_path=recipe_path,
-        dataset=recipe.data.dataset_param.basic_parameters.dataset,
-        model_dir=recipe.model.model_name_or_path,
-        device=device,
-        world_size=world_size,
-        nnodes=options.nnodes,
-        nproc_per_node=nproc,
-        env={**os.environ, **added},
-    )
-    write_json(run_dir / "run_identity.json", identity)
+    if lock is not None:
+        if claim is not None:
+            claim.record(dest.run_id, run_dir, shared=dest.shared is not None)
+        if options.node_rank == 0:  # the run's record (every node reads the one resolved recipe)
+            write_json(run_dir / "run_identity.json", identity)
+        (run_dir / RESOLVED_CONFIG).write_text(
+            f"# Resolved from {recipe_path} with overrides: {' '.join(overrides) or '(none)'}\n"
+            + recipe_to_yaml(recipe),
+            encoding="utf-8",
+        )
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     dataset = None
     if not options.dry_run and recipe.data.dataset_param.dataset_type != "synthetic":
         # Encode (or find the cache) here, once, so that no rank waits in a barrier while
@@ -563,6 +683,9 @@ def _write_run_dir(
         warnings=warnings,
         memory=memory,
         padding=padding,
+        run_id=dest.run_id,
+        resume=identity[RESUME_KEY],
+        written=lock is not None,
     )
 
 
@@ -595,10 +718,38 @@ def _rank_log(run_dir: Path, rank: int) -> Path | None:
     return logs[-1] if logs else None
 
 
+#: One failure in torchrun's report: ``rank : 1 (local_rank: 1)``, then ``exitcode : -9 (pid: N)``.
+_TORCHRUN_RANK = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def torchrun_exits(run_dir: Path) -> tuple[dict[int, int], int | None]:
+    """({rank: exit code} from torchrun's failure report, the rank it names as the root cause).
+
+    A negative code is the signal that killed the rank (torchrun's own convention).
+    """
+    try:
+        text = (run_dir / "logs" / "torchrun_failure.log").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return {}, None
+    root = text.partition("Root Cause")[2]
+    codes = {int(m.group(1)): int(m.group(2)) for m in _TORCHRUN_RANK.finditer(text)}
+    first = _TORCHRUN_RANK.search(root)
+    return codes, int(first.group(1)) if first else None
+
+
+def _signal_name(number: int) -> str:
+    with contextlib.suppress(ValueError):
+        return signal.Signals(number).name
+    return f"signal {number}"
+
+
 def failure_report(run_dir: Path, code: int, nproc: int) -> tuple[list[str], int]:
     """(lines naming each failed rank with its own error, the command's exit status).
 
-    Exit 2 when every failed rank stopped on a user error (a bad recipe, a bad path), 1 otherwise.
+    The cause comes first: a rank killed by a signal (torchrun's report gives the signal; the
+    other ranks then fail on their lost connection, which comes after it), then a rank that
+    ended without a status, then the ranks' own errors. Exit 2 when every failed rank stopped on
+    a user error (a bad recipe, a bad path), 1 otherwise.
     """
     from magistral_cli.engine.run import STATUS_DIR
 
@@ -618,23 +769,45 @@ def failure_report(run_dir: Path, code: int, nproc: int) -> tuple[list[str], int
             stopped = ", ".join(str(r) for r in missing)
             lines.append(f"rank(s) {stopped} stopped by torchrun after that failure (no status of their own)")
         return lines, 2
-    # Ranks of this node that recorded nothing were killed (a signal, the out-of-memory killer) or
-    # died before start-up: the likeliest cause, so they come first, with their log's last lines.
+    codes, root = torchrun_exits(run_dir)
+    # Killed by a signal: the likeliest cause, first. A SIGTERM that torchrun sent after another
+    # rank's failure (it stops the rest) is a consequence, not a cause.
+    killed = {
+        r: -c
+        for r, c in codes.items()
+        if c < 0 and r not in failed and not (-c == signal.SIGTERM and root is not None and r != root)
+    }
+    stopped = [r for r, c in codes.items() if c == -signal.SIGTERM and r not in killed and r not in failed]
     lines: list[str] = []
+    for rank, number in sorted(killed.items()):
+        why = ": the out-of-memory killer or a `kill -9`" if number == signal.SIGKILL else ""
+        lines.append(f"rank {rank} was killed by signal {number} ({_signal_name(number)}){why}")
+        if rank < nproc:
+            lines += _log_tail(run_dir, rank)
+    # Ranks of this node that recorded nothing, for no reason torchrun gave, were killed (the
+    # out-of-memory killer) or died before start-up, with their log's last lines.
     for rank in missing:
+        if rank in killed or rank in stopped:
+            continue
         lines.append(
             f"rank {rank} ended without a status (torchrun exit status {code}): killed, out of memory, "
             "or a crash before start-up"
         )
         lines += _log_tail(run_dir, rank)
+    after = f" after rank {min(killed)} was killed" if killed else ""
     for rank, record in sorted(failed.items()):
         error = _short_error(record)
         if record.get("kind") in ("user", "check"):
-            lines.append(f"rank {rank} failed: {error}")
+            lines.append(f"rank {rank} failed{after}: {error}")
         else:
-            lines.append(f"rank {rank} crashed: {error}")
-            if not missing and rank < nproc:
+            lines.append(f"rank {rank} crashed{after}: {error}")
+            if not missing and not killed and rank < nproc:
                 lines += _log_tail(run_dir, rank)
+    if stopped:
+        ranks = ", ".join(map(str, sorted(stopped)))
+        lines.append(
+            f"rank(s) {ranks} stopped by torchrun" + (" after that failure" if lines else " (SIGTERM)")
+        )
     if not lines:
         lines.append(f"torchrun exit status {code}, but every rank recorded success")
     return lines, 1
@@ -658,8 +831,9 @@ def run_launch(plan: LaunchPlan, console, node_rank: int = 0) -> int:
 
     The run directory is locked for the job (``magistral_cli.run_lock``): a second launch on it
     exits 2. Ctrl-C reaches torchrun directly (same process group); a SIGTERM sent to this
-    process is passed on to torchrun, which stops its ranks, and the ranks die with torchrun, so
-    no rank outlives the command. A failed job prints which rank failed with that rank's own
+    process is passed on to torchrun, which stops its ranks; a SIGKILL of this process alone
+    SIGTERMs torchrun (its parent-death signal); and the ranks die with torchrun, so no rank
+    outlives the command. A failed job prints which rank failed with that rank's own
     error lines; torchrun's traceback goes to ``logs/torchrun_failure.log``.
     """
     import shutil
@@ -667,7 +841,7 @@ def run_launch(plan: LaunchPlan, console, node_rank: int = 0) -> int:
 
     from magistral_cli.engine.run import STATUS_DIR
     from magistral_cli.errors import CheckFailed
-    from magistral_cli.run_lock import RunLock
+    from magistral_cli.run_lock import RunLock, parent_death_preexec
 
     env = {**os.environ, **plan.env_added}
     summary = plan.run_dir / "summary.json"
@@ -680,7 +854,16 @@ def run_launch(plan: LaunchPlan, console, node_rank: int = 0) -> int:
         shutil.rmtree(plan.run_dir / STATUS_DIR, ignore_errors=True)
         failure_log.unlink(missing_ok=True)
         start = time.monotonic()
-        child = subprocess.Popen(plan.command, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+        # torchrun gets SIGTERM when this process dies, even by SIGKILL alone (the out-of-memory
+        # killer's way), and stops its ranks; they die with torchrun in any case.
+        child = subprocess.Popen(
+            plan.command,
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            preexec_fn=parent_death_preexec(),
+        )
         reader = threading.Thread(target=_forward_stderr, args=(child.stderr, failure_log), daemon=True)
         reader.start()
 

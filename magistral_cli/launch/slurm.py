@@ -119,7 +119,13 @@ def node_local(path: Path) -> bool:
 
 
 def plan_slurm(
-    recipe_path: str | Path, overrides: list[str], options: SlurmOptions, *, dry_run: bool = False
+    recipe_path: str | Path,
+    overrides: list[str],
+    options: SlurmOptions,
+    *,
+    dry_run: bool = False,
+    share_checkpoints: bool = False,
+    restart_data: bool = False,
 ) -> SlurmPlan:
     """Plan the run directory as ``magistral train`` does and write its sbatch script.
 
@@ -162,8 +168,12 @@ def plan_slurm(
         nnodes=options.nodes,
         master_addr="$MASTER_ADDR",  # the launcher's own command is not used: srun runs torchrun
         master_port=options.master_port or DEFAULT_PORT,
-        # The devices are on the compute nodes, not here: what this machine lacks is not an error.
+        # The devices are on the compute nodes, not here: what this machine lacks is not an error;
+        # the run directory is written all the same (the job reads it).
         dry_run=True,
+        write_run_dir=True,
+        share_checkpoints=share_checkpoints,
+        restart_data=restart_data,
     )
     launch = plan_launch(recipe_path, overrides + extra, launch_options)
     # Device detection on the submitting machine (often a login node without accelerators).

@@ -138,11 +138,17 @@ def test_verify_only_is_offline_and_detects_tampering(tmp_path, hub, lock):
 
     with open(model / "config.json", "ab") as f:
         f.write(b" ")
+    tampered = (model / "config.json").read_bytes()
     report = fetch_assets(model, lock, verify_only=True)
     (bad,) = report.failures
     assert bad.name == "config.json" and bad.status == "mismatch"
     assert "bytes" in bad.message  # the size differs too
-    assert not (model / "config.json").exists()
+    # A check moves nothing: the file stays where it is, and the message says how to move it.
+    assert (model / "config.json").read_bytes() == tampered and not (model / QUARANTINE_DIR).exists()
+    assert bad.quarantined_to is None and "left in place" in bad.message and "--quarantine" in bad.message
+    report = fetch_assets(model, lock, verify_only=True, quarantine=True)
+    (bad,) = report.failures
+    assert bad.quarantined_to and not (model / "config.json").exists()
     report = fetch_assets(model, lock, verify_only=True)
     (missing,) = report.failures
     assert (missing.name, missing.status) == ("config.json", "missing")

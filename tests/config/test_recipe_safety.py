@@ -13,7 +13,6 @@ import typing
 from pathlib import Path
 
 import pytest
-import yaml
 from pydantic import BaseModel
 from typer.testing import CliRunner
 
@@ -264,8 +263,7 @@ def test_unquoted_patterns_through_the_cli(tmp_path):
         ],
     )
     assert result.exit_code == 0, result.output
-    resolved = json.loads(result.stdout)["resolved_config"]
-    freeze = yaml.safe_load(Path(resolved).read_text())["model"]["freeze"]
+    freeze = json.loads(result.stdout)["resolved_recipe"]["model"]["freeze"]  # a dry run writes no file
     assert freeze == ["model.vision_tower.{*}", "model.multi_modal_projector"]
 
 

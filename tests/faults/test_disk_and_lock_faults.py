@@ -95,7 +95,8 @@ def test_a_full_disk_during_a_save_leaves_the_previous_checkpoint_and_one_messag
     assert proc.returncode == 1, err[-3000:]
     assert "saving checkpoint step_10" in err and "No space left on device" in err
     assert "Traceback" not in err
-    assert sorted(p.name for p in saves.iterdir()) == ["latest", "step_5"]  # no .tmp_step_10
+    # no .tmp_step_10 (.magistral-owner.json: the run that owns this checkpoint directory)
+    assert sorted(p.name for p in saves.iterdir()) == [".magistral-owner.json", "latest", "step_5"]
     assert (saves / "latest").read_text().strip() == "step_5"
     assert json.loads((run / "summary.json").read_text())["exit_status"] == 1
 

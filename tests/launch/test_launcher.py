@@ -56,8 +56,19 @@ def test_dry_run_of_the_8_card_recipe(machine_paths):
     assert cmd[-2:] == ["magistral_cli.engine.run", str(machine_paths["run"] / "resolved_config.yaml")]
     assert "--standalone" in cmd and str(machine_paths["run"] / "logs") in cmd
     assert plan["world_size"] == 8
+    assert "dry run" in result.stderr and "nothing was started or written" in result.stderr
 
+    # A dry run writes nothing: the resolved recipe is in its JSON.
     run = machine_paths["run"]
+    assert not run.exists() and plan["written"] is False
+    assert plan["resolved_recipe"]["training"]["output_dir"] == str(run)
+    assert plan["resolved_recipe"]["training"]["adam_beta1"] == 0.9  # defaults filled in
+
+    # A plan that writes (as --slurm's does, for a job started elsewhere) writes the run directory.
+    written = plan_launch(
+        EIGHT_CARD, machine_paths["overrides"], LaunchOptions(dry_run=True, write_run_dir=True)
+    )
+    assert written.written
     resolved = yaml.safe_load((run / "resolved_config.yaml").read_text())
     assert resolved["training"]["output_dir"] == str(run)
     assert resolved["training"]["adam_beta1"] == 0.9  # defaults filled in
@@ -70,8 +81,9 @@ def test_dry_run_of_the_8_card_recipe(machine_paths):
     assert identity["world_size"] == 8 and identity["nproc_per_node"] == 8
     assert identity["versions"]["torch"] and identity["versions"]["transformers"]
     assert identity["recipe"]["sha256"] == hashlib.sha256(EIGHT_CARD.read_bytes()).hexdigest()
+    assert identity["run_id"] == written.run_id and identity["resume"] is None
+    assert identity["data_setup"]["data_parallel_size"] == 8
     assert (run / "logs").is_dir()
-    assert "dry run" in result.stderr
 
 
 def test_nproc_flag_wins_over_the_recipe(machine_paths):
@@ -262,14 +274,17 @@ def test_a_killed_rank_exits_1_with_its_log_tail(tmp_path, monkeypatch):
     console = _Lines()
     assert run_launch(plan, console) == 1
     report = "\n".join(console.lines)
-    assert "ended without a status" in report and "fault injection: killing rank 0" in report
+    assert report.splitlines()[1].startswith("rank 0 was killed by signal 9 (SIGKILL)")  # the cause first
+    assert "fault injection: killing rank 0" in report  # its log's last lines
 
 
 def test_the_trainer_adds_its_resolved_choices_to_the_launchers_identity(machine_paths):
     """record_resolved keeps what the launcher wrote and adds the device-side choices under "resolved"."""
     from magistral_cli.launch.identity import record_resolved
 
-    plan = plan_launch(EIGHT_CARD, machine_paths["overrides"], LaunchOptions(dry_run=True))
+    plan = plan_launch(
+        EIGHT_CARD, machine_paths["overrides"], LaunchOptions(dry_run=True, write_run_dir=True)
+    )
     path = plan.run_dir / "run_identity.json"
     launched = json.loads(path.read_text())
     choice = {"implementation": "foreach", "reason": "training.adam_fused is false"}
@@ -277,7 +292,7 @@ def test_the_trainer_adds_its_resolved_choices_to_the_launchers_identity(machine
     record_resolved(plan.run_dir, attention="sdpa")
     assert json.loads(path.read_text()) == {**launched, "resolved": {"adamw": choice, "attention": "sdpa"}}
     assert sorted(p.name for p in plan.run_dir.iterdir()) == [
-        ".magistral.lock",  # the run directory's lock file (free after a dry run)
+        ".magistral.lock",  # the run directory's lock file (free after the plan)
         "logs",
         "resolved_config.yaml",
         "run_identity.json",
@@ -378,3 +393,24 @@ def test_a_rank_stopped_by_torchrun_after_a_user_error_keeps_exit_2(tmp_path):
     # no status at all: killed, exit 1 (unchanged)
     lines, status = failure_report(tmp_path / "none", 1, 2)
     assert status == 1 and "ended without a status" in lines[0]
+
+
+def test_a_rank_killed_by_a_signal_comes_first_and_torchruns_own_stops_after(tmp_path):
+    """torchrun's report gives the signal; the lost connection of the other rank is named after it."""
+    from magistral_cli.launch.launcher import failure_report
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "torchrun_failure.log").write_text(
+        "Failures:\n[1]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 11)\n"
+        "Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 1)\n"
+        "  exitcode  : -9 (pid: 12)  (SIGKILL)\n"
+    )
+    lines, status = failure_report(tmp_path, 1, 2)
+    assert status == 1
+    assert lines[0] == "rank 1 was killed by signal 9 (SIGKILL): the out-of-memory killer or a `kill -9`"
+    assert lines[-1] == "rank(s) 0 stopped by torchrun after that failure"
+    error = "RuntimeError: [gloo/pair.cc:553] Connection closed by peer"
+    _statuses(tmp_path, rank0={"rank": 0, "exit_status": 1, "kind": "crash", "error": error})
+    lines, status = failure_report(tmp_path, 1, 2)
+    assert status == 1 and lines[0].startswith("rank 1 was killed by signal 9")
+    assert lines[-1] == f"rank 0 crashed after rank 1 was killed: {error}"

@@ -108,6 +108,11 @@ def test_an_entry_without_a_histogram_falls_back_to_its_sample_lengths(inputs, t
     report = json.loads((entry / "report.json").read_text())
     del report["length_histogram"]
     (entry / "report.json").write_text(json.dumps(report))
+    from magistral_cli.checkpoint.integrity import describe_file
+
+    meta = json.loads((entry / "meta.json").read_text())  # recorded as if written so (else: damaged)
+    meta["files"]["report.json"] = describe_file(entry / "report.json")
+    (entry / "meta.json").write_text(json.dumps(meta))
     padding = padding_section(recipe, world_size=2)
     estimate = padding["estimate"]
     assert estimate["source"] == "sample lengths"
