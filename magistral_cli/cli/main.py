@@ -16,7 +16,7 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from magistral_cli import __version__
-from magistral_cli.errors import MagistralError
+from magistral_cli.errors import MagistralError, os_error
 
 from . import compare, convert, fetch, generate, preprocess, probe, quickstart, train
 from .output import console
@@ -34,7 +34,12 @@ class _Group(TyperGroup):
 
     def invoke(self, ctx):
         try:
-            return super().invoke(ctx)
+            try:
+                return super().invoke(ctx)
+            except OSError as exc:  # a path or a disk: one message naming it (errors.os_error)
+                if debug_enabled():
+                    raise
+                raise os_error(exc) from None
         except MagistralError as exc:
             if debug_enabled():
                 raise

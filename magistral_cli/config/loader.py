@@ -71,7 +71,10 @@ class RecipeLoader(yaml.SafeLoader):
 
 def safe_load(text: str) -> Any:
     """``yaml.safe_load`` with duplicate keys refused (:class:`RecipeLoader`)."""
-    return yaml.load(text, Loader=RecipeLoader)  # a SafeLoader subclass: no object tags
+    try:
+        return yaml.load(text, Loader=RecipeLoader)  # a SafeLoader subclass: no object tags
+    except RecursionError:  # the parser recurses per level: a YAML error like any other
+        raise yaml.MarkedYAMLError(problem="lists or mappings nested too deeply to read") from None
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

@@ -48,6 +48,18 @@ def _number_kinds(annotation: Any) -> tuple[str | None, str | None]:
 
 _BOOL_HINT = "write the number itself (YAML reads true/false, yes/no and on/off as booleans)"
 
+#: The range of every integer of a recipe: C's 64-bit integer, what torch and NumPy take.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+#: ``training.seed``: NumPy's legacy generator takes 32 bits, and the synthetic data seeds each
+#: sample with ``seed * 1_000_003 + k`` (within torch's 64 bits for every such seed).
+SEED_MAX = 2**32 - 1
+#: ``cutoff_len`` (and a micro-batch's tokens with packing): the attention kernels' segment
+#: offsets (``cu_seqlens``) are int32.
+TOKENS_MAX = 2**31 - 1
+#: ``model.attn_implementation``: what ``ops.attention.resolve_attention`` accepts (a test keeps the
+#: two equal; ops/ knows nothing of recipes).
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "npu_fusion_attention")
+
 
 class Section(BaseModel):
     """Every recipe section rejects unknown keys (the loader names the nearest valid one).
@@ -77,6 +89,20 @@ class Section(BaseModel):
                     raise ValueError(
                         f"item {i} is the boolean {str(item).lower()}, not {item_kind}; {_BOOL_HINT}"
                     )
+        return value
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _integers_fit_64_bits(cls, value: Any) -> Any:
+        # Every integer of every section (seen: train_iters: 10**30 passed the dry run, and a seed
+        # of 10**30 overflowed inside torch on every rank).
+        for i, item in enumerate(value if isinstance(value, list) else [value]):
+            if isinstance(item, int) and not isinstance(item, bool) and not INT64_MIN <= item <= INT64_MAX:
+                what = f"item {i} ({item})" if isinstance(value, list) else str(item)
+                raise ValueError(
+                    f"{what} does not fit in 64 bits (torch and NumPy take C integers); "
+                    f"write a number between {INT64_MIN} and {INT64_MAX}"
+                )
         return value
 
 
@@ -227,7 +253,11 @@ class PreprocessParameters(Section):
         "tokenizer.json); true is accepted, false is refused.",
     )
     split_special_tokens: bool = Field(
-        False, description="Tokenize special-token strings in text as plain text."
+        True,
+        description="Encode control-token strings written in the data ([INST], </s>) as plain text, as "
+        "mistral-common does (the default). false is the seed's setting (LLaMA-Factory's): they become "
+        "control tokens, which the preprocess report counts and warns about; a sample whose text holds "
+        "[IMG], [IMG_BREAK] or [IMG_END] is then dropped (image_token_in_text), as only an image may make those.",
     )
     image_max_pixels: int = Field(
         262144, ge=1, description="Images larger than this many pixels are downscaled."
@@ -325,6 +355,7 @@ class BasicParameters(Section):
     cutoff_len: int = Field(
         2048,
         ge=1,
+        le=TOKENS_MAX,
         description="Maximum tokens per sample; samples whose image tokens would be cut are dropped.",
     )
     template: str = Field("mistral", description="Chat template name.")
@@ -339,6 +370,11 @@ class BasicParameters(Section):
     mask_history: bool = Field(False, description="Train on the last assistant turn only.")
     tool_format: Optional[str] = Field(None, description="Tool-call format (unused by the mistral template).")
     dataset_dir: Optional[str] = Field(None, description="Directory that image paths are relative to.")
+    allow_outside_dataset_dir: bool = Field(
+        True,
+        description="Addition. Read images whose path leads outside dataset_dir (absolute, ../ or through a "
+        "symlink; the preprocess report counts them). false drops such a sample (image_outside_dataset_dir).",
+    )
     dataset: Optional[str] = Field(None, description="Dataset file (LLaVA/ShareGPT JSON or JSONL).")
     cache_dir: str = Field(
         "./cache_dir/", description="Where encoded samples are cached, keyed by a fingerprint."
@@ -640,6 +676,7 @@ class Model(Section):
         "sdpa",
         description="Language-model attention: sdpa, eager, flash_attention_2 (CUDA with flash-attn; NPU fusion attention).",
     )
+
     freeze: list[str] = Field(
         default_factory=lambda: ["model.vision_tower", "model.multi_modal_projector"],
         description="Module patterns whose parameters are not trained.",
@@ -662,6 +699,16 @@ class Model(Section):
     def _mistral3(cls, value):
         if value != "mistral3":
             raise ValueError(f"model_id {value!r} is not supported; this tool trains 'mistral3'")
+        return value
+
+    @field_validator("attn_implementation")
+    @classmethod
+    def _known_attention(cls, value):
+        if value not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"{value!r} is not supported; use sdpa, eager, flash_attention_2 or flash_attention_3 (the fused "
+                "kernel of the device where it has one, else sdpa)"
+            )
         return value
 
     @model_validator(mode="after")
@@ -774,7 +821,9 @@ def _plugin_key(path: str) -> str:
 class Training(Section):
     micro_batch_size: int = Field(1, ge=1, description="Samples per rank per micro-batch.")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
-    seed: int = Field(42, description="Seeds every rank (and the data order).")
+    seed: int = Field(
+        42, ge=0, le=SEED_MAX, description="Seeds every rank (and the data order); 0 to 4294967295."
+    )
     lr: float = Field(1.0e-5, gt=0, description="Peak learning rate.")
     min_lr: float = Field(0.0, ge=0, description="Addition. Learning rate at the end of the decay.")
     lr_decay_style: Literal["cosine", "linear", "constant"] = Field(
@@ -1080,6 +1129,35 @@ class Recipe(Section):
             raise ValueError(
                 "model.compile with context parallelism is not supported (the CP attention communicates "
                 "inside the layers); set model.compile: false or both CP sizes to 1"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _context_parallel_rules(self):
+        if self.parallel.cp_size == 1:
+            return self
+        cp = f"context parallelism (ulysses_parallel_size x ring_attention_size = {self.parallel.cp_size})"
+        if not self.data.dataloader_param.collate_param.ignore_pad_token_for_loss:
+            raise ValueError(
+                f"{cp} does not score padding tokens, so data.dataloader_param.collate_param."
+                "ignore_pad_token_for_loss: false would train differently from CP=1; set it to true or "
+                "set both CP sizes to 1"
+            )
+        if self.features.loss_cfg.loss_type == "per_sample_loss" and self.training.micro_batch_size > 1:
+            raise ValueError(
+                f"features.loss_cfg.loss_type per_sample_loss with {cp} needs training.micro_batch_size: 1 "
+                "(then it equals 'default'); or use default / per_token_loss"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _packed_tokens_fit_int32(self):
+        basic = self.data.dataset_param.basic_parameters
+        tokens = self.training.micro_batch_size * basic.cutoff_len
+        if basic.packing and tokens > TOKENS_MAX:
+            raise ValueError(
+                f"training.micro_batch_size x data.dataset_param.basic_parameters.cutoff_len = {tokens} tokens a "
+                f"packed micro-batch, more than the attention's int32 offsets hold ({TOKENS_MAX}); lower one of them"
             )
         return self
 

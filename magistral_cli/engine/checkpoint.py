@@ -17,25 +17,34 @@ a 24B checkpoint with optimizer state is about 290 GB, and SHA-256 would add min
 records every file's size and digest in ``integrity.json``. Resume does not trust ``latest``: it
 takes the newest ``step_<N>`` whose files all match their record (the ranks verify the files in
 parallel), warns about each newer one it skipped and why, and refuses to start fresh over a save
-directory that holds checkpoints (see ``choose_resume``).
+directory that holds checkpoints (see ``choose_resume``). The record, its check and the choice of
+the newest intact checkpoint are ``checkpoint.integrity``'s, shared with every other reader
+(export, generate, validate); a checkpoint without a record is not resumed from.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-# The directory layout (step_<N>, latest, .metadata) is checkpoint/'s; re-exported for the trainer.
-from magistral_cli.checkpoint.layout import DCP_METADATA, LATEST, list_checkpoints, step_dir_name
+# The directory layout (step_<N>, latest, .metadata) and the integrity record and its check are
+# checkpoint/'s; re-exported for the trainer.
+from magistral_cli.checkpoint.integrity import DIGEST as DIGEST
+from magistral_cli.checkpoint.integrity import INTEGRITY as INTEGRITY
+from magistral_cli.checkpoint.integrity import Choice, choose_intact, describe_file, write_integrity
+from magistral_cli.checkpoint.integrity import Verification as Verification
+from magistral_cli.checkpoint.integrity import file_digest as file_digest
+from magistral_cli.checkpoint.integrity import is_training_checkpoint as is_training_checkpoint
+from magistral_cli.checkpoint.integrity import verify_checkpoint as verify_checkpoint
+from magistral_cli.checkpoint.layout import LATEST, list_checkpoints, step_dir_name
+from magistral_cli.checkpoint.layout import checkpoints_dir as checkpoints_dir
 from magistral_cli.checkpoint.layout import latest_name as latest_name
 from magistral_cli.checkpoint.packed import checkpoint_sizes as checkpoint_sizes
 from magistral_cli.checkpoint.packed import pack as pack
@@ -44,14 +53,13 @@ from magistral_cli.checkpoint.packed import unpack as unpack
 log = logging.getLogger(__name__)
 
 TMP_PREFIX = ".tmp_step_"
-INTEGRITY = "integrity.json"
-DIGEST = "xxh3_64"
-_READ_CHUNK = 8 << 20
 #: This process's timings of its last save (seconds): DCP write, integrity hashing, commit.
 LAST_SAVE: dict[str, float] = {}
 #: Fault injection for the crash-safety test: ``kill-during-save:<step>[:<rank>]`` SIGKILLs that
 #: rank after its shards of that step's checkpoint are written, before the checkpoint is committed.
 FAULT_ENV = "MAGISTRAL_FAULT_INJECT"
+#: What resume chose (``checkpoint.integrity.Choice``: path, skipped, unverified).
+ResumeChoice = Choice
 
 
 def resolve_save_dir(save: str | None, run_dir: Path) -> Path | None:
@@ -65,105 +73,13 @@ def resolve_save_dir(save: str | None, run_dir: Path) -> Path | None:
     return path if path.is_absolute() else Path(run_dir) / path
 
 
-def file_digest(path: Path) -> str:
-    """The xxh3-64 digest of ``path`` (hex), read in 8 MiB pieces."""
-    import xxhash
-
-    digest = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while chunk := f.read(_READ_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _describe(path: Path) -> dict[str, Any]:
-    return {"size": path.stat().st_size, DIGEST: file_digest(path)}
-
-
 def rank_files(checkpoint: Path, rank: int) -> list[Path]:
     """The data files DCP's file-system writer wrote for ``rank`` (``__<rank>_<i>.distcp``)."""
     return sorted(checkpoint.glob(f"__{rank}_*.distcp"))
 
 
-def write_integrity(checkpoint: Path, files: dict[str, dict[str, Any]], step: int) -> None:
-    """Record every file's size and digest (rank 0, before the checkpoint is committed)."""
-    files = dict(files)
-    files[DCP_METADATA] = _describe(checkpoint / DCP_METADATA)
-    record = {"format": 1, "algorithm": DIGEST, "step": step, "files": dict(sorted(files.items()))}
-    path = checkpoint / INTEGRITY
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-@dataclass
-class Verification:
-    """What ``verify_checkpoint`` found in one checkpoint (for one rank's share of its files)."""
-
-    path: Path
-    problems: list[str] = field(default_factory=list)
-    #: False for a checkpoint written before integrity records existed (nothing to verify against).
-    recorded: bool = True
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-
-def verify_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> Verification:
-    """Check ``path`` against its ``integrity.json``: file ``i`` of the record is this rank's when
-    ``i % world_size == rank`` (every rank calls it, so the files are read once, in parallel).
-
-    Without a record (an older checkpoint) only ``.metadata`` is required and nothing is hashed.
-    """
-    result = Verification(path)
-    if not path.is_dir():
-        result.problems.append(f"{path} does not exist")
-        return result
-    record_path = path / INTEGRITY
-    if not record_path.is_file():
-        result.recorded = False
-        if not (path / DCP_METADATA).is_file():
-            result.problems.append(f"{path} has no {DCP_METADATA} (an incomplete save)")
-        return result
-    try:
-        record = json.loads(record_path.read_text(encoding="utf-8"))
-        files = dict(record["files"])
-        if record.get("algorithm") != DIGEST:
-            raise ValueError(f"algorithm {record.get('algorithm')!r}")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        result.problems.append(f"{record_path} is unreadable ({exc})")
-        return result
-    for i, (name, want) in enumerate(sorted(files.items())):
-        if i % world_size != rank:
-            continue
-        file = path / name
-        if not file.is_file():
-            result.problems.append(f"{file} is missing")
-            continue
-        size = file.stat().st_size
-        if size != want.get("size"):
-            result.problems.append(f"{file} has {size} bytes, {want.get('size')} were written")
-        elif file_digest(file) != want.get(DIGEST):
-            result.problems.append(
-                f"{file} does not match its {DIGEST} checksum (the bytes changed after the save)"
-            )
-    return result
-
-
-@dataclass
-class ResumeChoice:
-    """The checkpoint to resume from (or None), and what was passed over on the way."""
-
-    path: Path | None
-    skipped: list[str] = field(default_factory=list)
-    unverified: bool = False
-
-
-def choose_resume(save_dir: Path, verify=verify_checkpoint) -> ResumeChoice:
-    """The newest complete and intact ``step_<N>`` in ``save_dir``.
+def choose_resume(save_dir: Path, verify=verify_checkpoint) -> Choice:
+    """The newest complete and intact ``step_<N>`` in ``save_dir`` (``checkpoint.integrity.choose_intact``).
 
     ``verify(path)`` returns the ``Verification`` of one checkpoint (the trainer passes one that
     splits the files over the ranks and combines their findings). Raises ``CheckFailed`` when
@@ -171,15 +87,8 @@ def choose_resume(save_dir: Path, verify=verify_checkpoint) -> ResumeChoice:
     """
     from magistral_cli.errors import CheckFailed
 
-    candidates = list_checkpoints(save_dir)
-    choice = ResumeChoice(None)
-    for _, path in candidates:
-        result = verify(path)
-        if result.ok:
-            choice.path, choice.unverified = path, not result.recorded
-            break
-        choice.skipped.append(f"{path.name}: " + "; ".join(result.problems[:3]))
-    if candidates and choice.path is None:
+    choice = choose_intact(save_dir, verify)
+    if choice.path is None and choice.skipped:
         raise CheckFailed(
             f"{save_dir} holds checkpoints but none is complete and intact, so the run can neither resume nor "
             "start fresh over them:\n  "
@@ -188,14 +97,6 @@ def choose_resume(save_dir: Path, verify=verify_checkpoint) -> ResumeChoice:
             "checkpoint with a new training.output_dir, or move the broken checkpoints away"
         )
     return choice
-
-
-def checkpoints_dir(path: Path) -> Path | None:
-    """The directory of ``step_<N>`` checkpoints that ``path`` names: itself, or a run's ``checkpoints/``."""
-    for candidate in (path, path / "checkpoints"):
-        if list_checkpoints(candidate):
-            return candidate
-    return None
 
 
 def refuse_fresh_start(save_dir: Path) -> None:
@@ -209,15 +110,6 @@ def refuse_fresh_start(save_dir: Path) -> None:
             f"({', '.join(p.name for _, p in existing[:5])}); a fresh start would overwrite them. "
             "Use a new training.output_dir (or training.save), or training.resume=auto to continue"
         )
-
-
-def is_training_checkpoint(path: Path) -> bool:
-    """Whether ``path`` is a DCP written by this trainer (it records the step)."""
-    if not (path / DCP_METADATA).is_file():
-        return False
-    from magistral_cli.checkpoint.safe_dcp import SafeFileSystemReader
-
-    return "step" in SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
 
 
 def remove_stale_temporaries(save_dir: Path) -> list[Path]:
@@ -313,7 +205,7 @@ def save_checkpoint(state: dict[str, Any], save_dir: Path, step: int) -> Path:
         _maybe_inject_fault(step)
         written = time.perf_counter()
         # Every rank hashes the files it wrote, in parallel; rank 0 records them all.
-        mine = {p.name: _describe(p) for p in rank_files(tmp, rank)}
+        mine = {p.name: describe_file(p) for p in rank_files(tmp, rank)}
         hashed = time.perf_counter()
         LAST_SAVE.update(write_s=written - started, hash_s=hashed - written)
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException

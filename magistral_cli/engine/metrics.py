@@ -3,6 +3,7 @@ throughput, and the rank-0 progress line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -86,12 +87,37 @@ def _strict(value: Any) -> Any:
     return value
 
 
+def _resumed_step(line: str) -> int | None:
+    """The step of a metrics.jsonl line, or None for a line that is not a record of one: cut by a
+    crash, not a JSON object, nested too deeply to parse, or a ``step`` that is not an integer."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """``text`` into ``path`` through a temporary file and a rename: a failure (a full disk)
+    leaves the old file and no temporary, and names ``path``."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
+
+
 class MetricsFile:
     """Append-only ``metrics.jsonl`` (rank 0), and the ``tools.logger`` sinks that get each line.
 
-    On resume from step N, the lines after step N (and any line a crash cut) are moved aside to
+    On resume from step N, the lines after step N (and any line that is no record of a step: cut
+    by a crash, or with a ``step`` that is not an integer) are moved aside to
     ``metrics.after_step_<N>[.K].jsonl`` next to it, never deleted: they describe steps the
-    resumed run will take again.
+    resumed run will take again. Each line is appended whole or not at all: a write that fails
+    (a full disk) is taken back and raises an ``OSError`` naming the file.
     """
 
     def __init__(self, path: Path, resume_step: int = 0, *, recipe: Any = None, sinks: list | None = None):
@@ -108,20 +134,20 @@ class MetricsFile:
         if path.is_file():
             kept, aside = [], []
             for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
-                try:
-                    keep = json.loads(line).get("step", 0) <= resume_step
-                except (json.JSONDecodeError, AttributeError):
-                    keep = False  # a line cut by a crash
                 if not line.strip():
                     continue
-                (kept if keep else aside).append(line)
+                step = _resumed_step(line)
+                (kept if step is not None and step <= resume_step else aside).append(line)
             if aside:
-                self.moved_aside = self._aside_path(resume_step)
-                self.moved_aside.write_text("".join(a + "\n" for a in aside), encoding="utf-8")
-                tmp = path.with_suffix(".jsonl.tmp")
-                tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
-                os.replace(tmp, path)
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (held for the whole run)
+                moved_aside = self._aside_path(resume_step)
+                _write_atomic(moved_aside, "".join(a + "\n" for a in aside))
+                try:
+                    _write_atomic(path, "".join(k + "\n" for k in kept))
+                except OSError:
+                    moved_aside.unlink(missing_ok=True)  # metrics.jsonl is unchanged: no copy aside
+                    raise
+                self.moved_aside = moved_aside
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def _aside_path(self, step: int) -> Path:
         base = f"{self.path.stem}.after_step_{step}"
@@ -129,6 +155,17 @@ class MetricsFile:
         while candidate.exists():
             candidate, k = self.path.with_name(f"{base}.{k}.jsonl"), k + 1
         return candidate
+
+    def _append(self, text: str) -> None:
+        data = memoryview(text.encode("utf-8"))
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            while data:
+                data = data[os.write(self._fd, data) :]
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, start)  # no half line left behind
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
 
     def write(self, record: dict[str, Any]) -> None:
         """One line: a train step's FIELDS, or a record with a ``split`` (``"val"``) as given."""
@@ -139,8 +176,7 @@ class MetricsFile:
             line = {k: _strict(record.get(k)) for k in FIELDS}
             if record.get("skipped"):
                 line["skipped"] = True
-        self._file.write(json.dumps(line, allow_nan=False) + "\n")
-        self._file.flush()
+        self._append(json.dumps(line, allow_nan=False) + "\n")
         for sink in list(self.sinks):
             try:
                 sink.log(line)
@@ -151,7 +187,9 @@ class MetricsFile:
                 self.sinks.remove(sink)
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         sinks, self.sinks = self.sinks, []
         for sink in sinks:
             try:
@@ -161,16 +199,10 @@ class MetricsFile:
 
 
 def write_summary(path: Path, *, steps: int, wall_s: float, exit_status: int, **extra: Any) -> None:
+    """``summary.json``, written whole or not at all (a failure names the file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(
-        json.dumps(
-            {"steps": steps, "wall_s": round(wall_s, 3), "exit_status": exit_status, **extra}, indent=2
-        )
-        + "\n",
-        encoding="utf-8",
-    )
-    os.replace(tmp, path)
+    record = {"steps": steps, "wall_s": round(wall_s, 3), "exit_status": exit_status, **extra}
+    _write_atomic(path, json.dumps(record, indent=2) + "\n")
 
 
 def _loss_text(loss: float | None) -> str:

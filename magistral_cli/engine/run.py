@@ -21,24 +21,96 @@ def _setup_logging() -> None:
 
 
 STATUS_DIR = "rank_status"
+#: Bytes a rank reserves for its status file when it starts, so that the status can still be
+#: written over them if the disk fills up during the run (the record is cut to fit).
+STATUS_RESERVE = 4096
+
+
+def _status_path(run_dir: str) -> Path:
+    return Path(run_dir) / STATUS_DIR / f"rank{int(os.environ.get('RANK', '0'))}.json"
+
+
+def _reserve_status(run_dir: str | None) -> None:
+    """Hold ``STATUS_RESERVE`` bytes of blanks for this rank's status (not JSON: a rank that dies
+    without writing its status still reads as one that recorded nothing)."""
+    if not run_dir:
+        return
+    path = _status_path(run_dir)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b" " * STATUS_RESERVE)
+    except OSError:
+        pass  # _write_status tries again at the end
 
 
 def _write_status(run_dir: str | None, status: int, kind: str, error: str) -> None:
-    """``<run_dir>/rank_status/rank<R>.json``: how this rank ended, for the launcher's report."""
+    """``<run_dir>/rank_status/rank<R>.json``: how this rank ended, for the launcher's report.
+
+    Written over the blanks reserved at start-up (no new disk space needed); the launcher reads
+    it only after every rank has ended.
+    """
     if not run_dir:
         return
     import json
 
-    rank = int(os.environ.get("RANK", "0"))
-    path = Path(run_dir) / STATUS_DIR / f"rank{rank}.json"
-    record = {"rank": rank, "exit_status": status, "kind": kind, "error": error}
+    path = _status_path(run_dir)
+    record = {"rank": int(os.environ.get("RANK", "0")), "exit_status": status, "kind": kind, "error": error}
+    data = (json.dumps(record) + "\n").encode("utf-8")
+    while len(data) > STATUS_RESERVE:
+        error = error[: len(error) // 2]
+        record["error"] = error + " ..."
+        data = (json.dumps(record) + "\n").encode("utf-8")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        with open(path, "r+b" if path.is_file() else "wb") as f:
+            f.write(data)
+            f.truncate()
     except OSError:
-        pass  # a full disk: the launcher falls back to the rank's log
+        pass  # no status: the launcher falls back to the rank's log
+
+
+def _worker_origin(message: str) -> str:
+    """The original error's own line of an error that a data-loader worker raised.
+
+    torch's DataLoader re-raises a worker's exception in the rank as the same type with the
+    worker's whole traceback as its message; the last line is the original ``Type: message``.
+    """
+    if not (message.startswith("Caught ") and "Original Traceback" in message):
+        return message
+    last = next((line for line in reversed(message.splitlines()) if line.strip()), message)
+    name, sep, text = last.partition(": ")
+    return text if sep and name.rpartition(".")[2].endswith(("Error", "Exception", "Failed")) else last
+
+
+def describe_failure(exc: BaseException) -> tuple[int, str, str]:
+    """(exit status, kind, one-line message) of the exception that ended a rank.
+
+    One rule for every failure: our errors keep their exit code (``UserError`` 2: kind ``user``;
+    a failed check 1: ``check``); an operating-system error (a path, a full or read-only disk)
+    becomes one through ``errors.os_error`` wherever it happened; anything else is a crash
+    (exit 1, with its traceback in the rank's log).
+    """
+    from magistral_cli.errors import MagistralError, UserError, os_error
+
+    if isinstance(exc, OSError):
+        exc = os_error(exc)
+    if isinstance(exc, MagistralError):
+        kind = "user" if isinstance(exc, UserError) else "check"
+        return exc.exit_code, kind, _worker_origin(str(exc))
+    return 1, "crash", f"{type(exc).__name__}: {exc}"
+
+
+def _report(status: int, kind: str, error: str) -> None:
+    """The rank's one line (our errors), or the traceback (a crash) on its stderr."""
+    try:
+        if kind == "crash":
+            import traceback
+
+            traceback.print_exc()
+        else:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+    except OSError:
+        pass  # stderr is a log file on a full disk: the status file still says it
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +120,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _setup_logging()
     from magistral_cli.config import load_recipe
-    from magistral_cli.errors import MagistralError, UserError
     from magistral_cli.versions import check_supported_versions
 
     trainer = None
@@ -63,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
             die_with_parent()
             hold_rank_lock(Path(run_dir))
+        _reserve_status(run_dir)
         # Before transformers is imported: an unsupported one may not even import cleanly.
         check_supported_versions()
         from .trainer import Trainer
@@ -70,23 +142,20 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(recipe)
         trainer.train()
         status, kind = 0, "ok"
-    except MagistralError as exc:
-        # One message, no traceback: a user error (exit 2) or a failed check such as a
-        # non-finite step or a damaged checkpoint (exit 1).
-        print(f"error: {exc}", file=sys.stderr)
-        status, error = exc.exit_code, str(exc)
-        kind = "user" if isinstance(exc, UserError) else "check"
-    except BaseException as exc:  # any other failure (DCP's CheckpointException is a BaseException)
+    except BaseException as exc:  # any failure (DCP's CheckpointException is a BaseException)
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        import traceback
-
-        traceback.print_exc()
-        status, kind, error = 1, "crash", f"{type(exc).__name__}: {exc}"
+        status, kind, error = describe_failure(exc)
+        _report(status, kind, error)
     finally:
         try:
             if trainer is not None:
-                trainer.close(status)
+                trainer.close(status, error or None)
+        except Exception as exc:  # summary.json on a full disk: reported like any other failure
+            failure = describe_failure(exc)
+            _report(*failure)
+            if status == 0:
+                status, kind, error = failure
         finally:
             _write_status(run_dir, status, kind, error)
     return status

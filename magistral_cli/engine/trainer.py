@@ -28,7 +28,7 @@ from magistral_cli.errors import CheckFailed, UserError
 from magistral_cli.ops.attention import resolve_attention, validate_right_padding
 from magistral_cli.ops.context_parallel import check_cp_model, check_cp_recipe, cp_groups_from_mesh
 from magistral_cli.ops.packed_attention import packed_inputs
-from magistral_cli.run_record import record_resolved
+from magistral_cli.run_record import record_resolved, restarts_data
 from magistral_cli.runtime import device_module, host_to_device, init_distributed, resolve_device_type
 
 from . import checkpoint as ckpt
@@ -95,6 +95,12 @@ def set_rng_state(state: dict[str, Any], device_type: str) -> None:
 
 #: Batch entries the model reads on the host.
 HOST_KEYS = frozenset({"image_sizes"})
+
+#: With ``training.skip_nonfinite_steps``, a run stops (exit 1) once this many steps in a row
+#: were skipped, or every step of a run shorter than that: its updates have stopped (weights that
+#: a skipped step does not change stay non-finite for every batch), and a run that goes on would
+#: only save the unchanged model as if it had trained.
+SKIP_LIMIT = 10
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
@@ -172,6 +178,9 @@ class Trainer:
         training = recipe.training
         self.started = time.monotonic()
         self.step = 0
+        # skip_nonfinite_steps: steps skipped in this launch, in a row now, the last applied update.
+        self.skipped_steps = self.skip_streak = self.last_applied_step = 0
+        self.skip_limit = SKIP_LIMIT
         if training.output_dir is None:
             raise UserError("training.output_dir is not set; launch with `magistral train`, which sets it")
         self.run_dir = Path(training.output_dir)
@@ -240,6 +249,7 @@ class Trainer:
             )
         )
         self._load_initial_state()
+        self.last_applied_step = self.step
         self._data_iter = iter(self.data)
 
         if training.freeze_gc_after_init:
@@ -436,7 +446,13 @@ class Trainer:
             optim_sd = get_optimizer_state_dict(self.model, self.optimizer)
             state["optimizer"] = {"state": optim_sd["state"]}
         rng_key, data_key = f"rng.rank_{self.rank}", f"dataloader.dp_rank_{self.dp_rank}"
-        packed = [k for k in (rng_key, data_key) if k in keys and not (k == rng_key and training.no_load_rng)]
+        # The launcher's decision (`magistral train --restart-data`): under a changed data set-up
+        # the saved data position would mean other samples, so the order starts again.
+        restart = restarts_data(self.run_dir, path)
+        skip = {rng_key} if training.no_load_rng else set()
+        packed = [
+            k for k in (rng_key, data_key) if k in keys and k not in skip | ({data_key} if restart else set())
+        ]
         for key, size in ckpt.checkpoint_sizes(path, packed).items():
             section, name = key.split(".", 1)
             state.setdefault(section, {})[name] = torch.empty(size, dtype=torch.uint8)
@@ -468,6 +484,8 @@ class Trainer:
             )
         if "dataloader" in state:
             self.data.load_state_dict(ckpt.unpack(state["dataloader"][f"dp_rank_{self.dp_rank}"]))
+        elif restart:
+            log.warning("resuming %s with the data order started again (run_identity.json: resume)", path)
         else:
             log.warning(
                 "checkpoint %s has no data-loader state for dp rank %d; data restarts", path, self.dp_rank
@@ -651,6 +669,7 @@ class Trainer:
         else:
             clip_grads_(self.trainable, self.recipe.training.clip_grad, grad_norm)
             self.optimizer.step()
+            self.skip_streak, self.last_applied_step = 0, self.step + 1
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return {
@@ -670,9 +689,20 @@ class Trainer:
                 f"{what} is not finite; the update was not applied and no checkpoint was written after it. "
                 "Lower training.lr or check the data; training.skip_nonfinite_steps=true skips such steps instead"
             )
-        self.skipped_steps = getattr(self, "skipped_steps", 0) + 1
+        self.skipped_steps += 1
+        self.skip_streak += 1
         if self.rank == 0:
             log.warning("%s is not finite: update skipped (training.skip_nonfinite_steps)", what)
+        if self.skip_streak >= self.skip_limit:  # the same on every rank: the values are all-reduced
+            first = step - self.skip_streak + 1
+            last = self.last_applied_step
+            raise CheckFailed(
+                f"steps {first}-{step}: {self.skip_streak} steps in a row had a non-finite loss or gradient norm "
+                "and were skipped (training.skip_nonfinite_steps), so the run stopped: the model has not changed "
+                f"since step {last} ({'its last applied update' if last else 'the weights it started from'}) "
+                "and no checkpoint was written after that step. Lower training.lr or check the data and "
+                "training.load, then launch again: the run resumes from its last checkpoint"
+            )
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
         """One optimizer step; returns device tensors and the lr (one host synchronisation: the finiteness check)."""
@@ -782,8 +812,11 @@ class Trainer:
         profiler = StepProfiler(tools.profile, self.run_dir, self.rank, self.device_type)
         mem_profiler = MemoryProfiler(tools.memory_profile, self.run_dir, self.rank, self.device_type)
         stop = training.train_iters if max_steps is None else min(training.train_iters, self.step + max_steps)
+        # Skipped steps stop the run at SKIP_LIMIT in a row, or when every step of a shorter run is.
+        self.skip_limit = max(1, min(SKIP_LIMIT, stop - self.step))
         records: list[dict[str, Any]] = []
         last_saved = last_evaluated = self.step
+        save_due = False  # a checkpoint held back while its step's update was skipped
         try:
             # Step times exclude evaluations and checkpoint writes (``paused``): they are no step's work.
             interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
@@ -824,8 +857,16 @@ class Trainer:
                     and training.save_interval
                     and step % training.save_interval == 0
                 ):
+                    save_due = True
+                    if self.skip_streak and is_rank0:
+                        log.warning(
+                            "step %d was skipped: its checkpoint waits for the next applied update", step
+                        )
+                if save_due and not self.skip_streak:
+                    # Never a checkpoint inside a run of skipped steps: one that reaches SKIP_LIMIT
+                    # stops the run, and the newest checkpoint is then an update that was applied.
                     path = self.save()
-                    last_saved = step
+                    last_saved, save_due = step, False
                     progress.message(f"checkpoint {path}")
                 paused += time.perf_counter() - pause_start
                 if training.manual_gc_interval and step % training.manual_gc_interval == 0:
@@ -862,15 +903,28 @@ class Trainer:
         if self.rank == 0 and not math.isfinite(record["loss"]):
             log.warning("step %d: the validation loss is not finite", self.step)
 
-    def close(self, exit_status: int = 0) -> None:
-        """Write summary.json (rank 0) and leave the process group if this trainer joined it."""
-        if self.rank == 0:
-            write_summary(
-                self.run_dir / "summary.json",
-                steps=self.step,
-                wall_s=time.monotonic() - self.started,
-                exit_status=exit_status,
-            )
+    def close(self, exit_status: int = 0, error: str | None = None) -> None:
+        """Write summary.json (rank 0) and leave the process group if this trainer joined it.
+
+        summary.json also says how many steps were skipped (``skipped_steps``), the last step whose
+        update was applied (``last_applied_step``) and, for a failed run, its ``error``.
+        """
+        try:
+            if self.rank == 0:
+                extra: dict[str, Any] = {"error": error} if error else {}
+                write_summary(
+                    self.run_dir / "summary.json",
+                    steps=self.step,
+                    wall_s=time.monotonic() - self.started,
+                    exit_status=exit_status,
+                    skipped_steps=self.skipped_steps,
+                    last_applied_step=self.last_applied_step,
+                    **extra,
+                )
+        finally:
+            self._release()
+
+    def _release(self) -> None:
         if self.recipe.training.manual_gc_interval:
             gc.enable()
         if self.recipe.training.freeze_gc_after_init:

@@ -1,0 +1,320 @@
+"""Faults that used to surface late or as tracebacks, each broken for real and run as a user would.
+
+- Checks of the recipe alone, and of the recipe against the model's config, stop `magistral train
+  --dry-run` with exit 2 before torchrun starts.
+- Operating-system errors (a file where the run directory goes, a read-only or full disk) are one
+  message naming the path, its errno and the fix: exit 2 for a wrong path, 1 for the machine.
+- An image changed after preprocessing is found inside the ranks and reported by the launcher
+  as one line naming the image and its sample, exit 2.
+- Input nested too deeply for the parsers (dataset JSON) is one message or a dropped row.
+- A run whose steps were all skipped (training.skip_nonfinite_steps) exits 1 and saves nothing.
+- A metrics.jsonl line whose step is null does not stop a resume.
+
+The disk cases mount a small tmpfs (root only: skipped with the reason otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from magistral_cli.cli.main import app
+from magistral_cli.engine import checkpoint as ckpt
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+
+from engine.helpers import recipe_dict, run_train, train_command, train_env, write_tiny_model  # noqa: E402
+
+runner = CliRunner()
+TINY = REPO / "recipes" / "tiny" / "tiny_cpu.yaml"
+BASIC = "data.dataset_param.basic_parameters"
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory) -> Path:
+    """The tiny model (4 attention heads) on synthetic data: a 2-process recipe."""
+    root = tmp_path_factory.mktemp("late")
+    write_tiny_model(root / "model")
+    data = recipe_dict(root / "model", root / "unused", micro_batch_size=1, train_iters=2, save_interval=0)
+    del data["training"]["output_dir"]
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _nothing_started(run_dir: Path) -> bool:
+    return not (run_dir / "rank_status").exists() and not any((run_dir / "logs").glob("*/attempt_*"))
+
+
+# --------------------------------------------------------------------------- checks that ran late
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.attn_implementation=flash"], "model.attn_implementation: 'flash' is not supported"),
+        (["--nproc-per-node", "3", "parallel.ulysses_parallel_size=3"], "4 heads do not divide over 3"),
+        ([f"training.train_iters={10**30}"], f"training.train_iters: {10**30} does not fit in 64 bits"),
+        ([f"training.seed={10**30}"], "training.seed: Input should be less than or equal to 4294967295"),
+        ([f"{BASIC}.cutoff_len={10**30}"], f"{BASIC}.cutoff_len: Input should be less than or equal to"),
+        (
+            [
+                "parallel.ulysses_parallel_size=2",
+                "data.dataloader_param.collate_param.ignore_pad_token_for_loss=false",
+            ],
+            "ignore_pad_token_for_loss: false would train differently from CP=1",
+        ),
+    ],
+)
+def test_a_dry_run_stops_with_exit_2_before_torchrun(recipe, tmp_path, overrides, message):
+    run_dir = tmp_path / "run"
+    args = ["train", str(recipe), "--dry-run", f"training.output_dir={run_dir}", *overrides]
+    if "--nproc-per-node" not in overrides:
+        args += ["--nproc-per-node", "2"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert _nothing_started(run_dir)
+
+
+# --------------------------------------------------------------------------- operating-system errors
+
+
+def test_an_output_dir_that_is_a_file_exits_2_naming_it(recipe, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    for run_dir in (afile, afile / "run"):
+        result = runner.invoke(
+            app, ["train", str(recipe), "--nproc-per-node", "2", f"training.output_dir={run_dir}"]
+        )
+        assert result.exit_code == 2, result.output
+        # One message naming the path (the launcher's own check, or errors.os_error's errno and fix).
+        assert result.output.count("error: ") == 1 and str(afile) in result.output, result.output
+        assert "Traceback" not in result.output
+    assert afile.read_text() == "keep me"
+
+
+def _mount(disk: Path, *options: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", ",".join(options), "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
+
+
+@pytest.fixture
+def read_only_disk(tmp_path):
+    disk = tmp_path / "ro"
+    _mount(disk, "size=1m", "ro")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    disk = tmp_path / "disk"
+    _mount(disk, "size=24m")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_run_directory_on_a_read_only_disk_exits_1_naming_it(recipe, read_only_disk):
+    run_dir = read_only_disk / "run"
+    result = runner.invoke(
+        app, ["train", str(recipe), "--nproc-per-node", "2", f"training.output_dir={run_dir}"]
+    )
+    assert result.exit_code == 1, result.output
+    assert f"error: {run_dir}: Read-only file system (EROFS); that file system is read-only" in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.slow
+def test_a_run_directory_that_fills_up_ends_with_one_line_and_whole_files(recipe, small_disk):
+    run_dir = small_disk / "run"
+    proc = subprocess.Popen(
+        train_command(recipe, run_dir, "training.train_iters=100000"),
+        env=train_env(),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 3):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with open(small_disk / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+        except OSError:
+            pass
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err[-3000:]
+    # Rank 0's status, written over the space it reserved at start-up, names the file and the cause.
+    assert f"rank 0 failed: {metrics}: No space left on device (ENOSPC); free space on that disk" in err
+    status = json.loads((run_dir / "rank_status" / "rank0.json").read_text())
+    assert (status["exit_status"], status["kind"]) == (1, "check")
+    text = metrics.read_text()
+    assert text.endswith("\n")
+    steps = [json.loads(line)["step"] for line in text.splitlines()]
+    assert steps == list(range(1, len(steps) + 1))
+    assert not [p.name for p in run_dir.rglob("*.tmp")]
+
+
+# --------------------------------------------------------------------------- images changed since preprocessing
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory):
+    """The tiny recipe's model and image dataset, preprocessed; the pristine images kept aside."""
+    sys.path.insert(0, str(REPO))
+    from tests.workflow.test_context_parallel_recipe import _build_quickstart
+
+    root = tmp_path_factory.mktemp("images")
+    _build_quickstart(root)
+    quick = root / "quickstart"
+    overrides = [
+        f"model.model_name_or_path={quick / 'model'}",
+        f"training.load={quick / 'model'}",
+        f"data.dataset_param.preprocess_parameters.model_name_or_path={quick / 'model'}",
+        f"{BASIC}.dataset={quick / 'data' / 'data.jsonl'}",
+        f"{BASIC}.dataset_dir={quick / 'data'}",
+        f"{BASIC}.cache_dir={root / 'cache'}",
+        "training.train_iters=2",
+        "training.save_interval=0",
+    ]
+    result = runner.invoke(app, ["preprocess", str(TINY), *overrides])
+    assert result.exit_code == 0, result.output
+    shutil.copytree(quick / "data" / "images", root / "pristine")
+    return quick / "data" / "images", root / "pristine", overrides
+
+
+def _resize(path: Path) -> None:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image.load()
+    image.resize((max(28, image.width // 2), image.height)).save(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("change", "reason", "extra"),
+    [
+        (Path.unlink, "(No such file or directory)", []),
+        (_resize, "when the dataset was preprocessed: it changed on disk)", []),
+        # Cut files, read by data-loader workers: the rank shows the worker's own error.
+        (lambda p: p.write_bytes(p.read_bytes()[:300]), "", ["data.dataloader_param.num_workers=2"]),
+    ],
+    ids=["deleted", "resized", "corrupted"],
+)
+def test_an_image_changed_since_preprocessing_exits_2_naming_it_and_its_sample(
+    quickstart, tmp_path, change, reason, extra
+):
+    images, pristine, overrides = quickstart
+    try:
+        for path in images.iterdir():
+            change(path)
+        run_dir = tmp_path / "run"
+        done = run_train(TINY, run_dir, *overrides, *extra)
+    finally:
+        shutil.rmtree(images)
+        shutil.copytree(pristine, images)
+    assert done.returncode == 2, done.stderr[-3000:]
+    failed = [line for line in done.stderr.splitlines() if line.startswith("rank ") and " failed: " in line]
+    assert failed, done.stderr[-3000:]
+    line = failed[0].split(" failed: ", 1)[1]
+    assert line.startswith(f"image {images}/") and " of sample " in line
+    assert " changed since preprocessing: re-run magistral preprocess with " in line
+    assert line.endswith(reason) and "Traceback" not in line
+    assert "ended without a status" not in done.stderr
+
+
+# --------------------------------------------------------------------------- input nested too deeply
+
+
+def test_a_dataset_nested_too_deeply_is_one_error_or_a_dropped_row(quickstart, tmp_path):
+    _, _, overrides = quickstart
+    deep = "[" * 5000 + "]" * 5000
+    array = tmp_path / "array.json"
+    array.write_text(f"[{deep}]")
+    args = ["preprocess", str(TINY), *overrides, f"{BASIC}.cache_dir={tmp_path / 'cache'}"]
+    result = runner.invoke(app, [*args, f"{BASIC}.dataset={array}"])
+    assert result.exit_code == 2, result.output
+    assert f"{array}: the JSON is nested too deeply to parse" in result.output
+    lines = tmp_path / "lines.jsonl"
+    good = (quickstart[0].parent / "data.jsonl").read_text().splitlines()[:4]
+    lines.write_text("\n".join([*good, deep, '{"x": ' + "[" * 900 + "]" * 900 + "}"]) + "\n")
+    result = runner.invoke(app, [*args, f"{BASIC}.dataset={lines}", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    dropped = report["report"]["dropped_by_reason"]
+    assert dropped["invalid_json"] == 1 and dropped["invalid_record"] == 1, dropped
+
+
+# --------------------------------------------------------------------------- skipped steps, metrics on resume
+
+
+@pytest.mark.slow
+def test_a_run_that_skipped_every_step_exits_1_and_saves_nothing(recipe, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = Path(yaml.safe_load(recipe.read_text())["training"]["load"])
+    poisoned = tmp_path / "model"
+    shutil.copytree(model, poisoned)
+    for shard in poisoned.glob("*.safetensors"):
+        tensors = load_file(shard)
+        if "language_model.model.norm.weight" in tensors:
+            tensors["language_model.model.norm.weight"][0] = float("nan")
+            save_file(tensors, shard, metadata={"format": "pt"})
+    run_dir = tmp_path / "run"
+    done = run_train(
+        recipe,
+        run_dir,
+        f"training.load={poisoned}",
+        "training.skip_nonfinite_steps=true",
+        "training.train_iters=4",
+        "training.save_interval=2",
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "rank 0 failed: steps 1-4: 4 steps in a row had a non-finite loss or gradient norm" in done.stderr
+    assert ckpt.list_checkpoints(run_dir / "checkpoints") == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["exit_status"], summary["skipped_steps"], summary["last_applied_step"]) == (1, 4, 0)
+    assert summary["error"].startswith("steps 1-4: ")
+
+
+@pytest.mark.slow
+def test_a_metrics_line_with_a_null_step_does_not_stop_a_resume(recipe, tmp_path):
+    run_dir = tmp_path / "run"
+    first = run_train(recipe, run_dir, "training.save_interval=2", "training.resume=auto")
+    assert first.returncode == 0, first.stderr[-3000:]
+    with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"step": null, "loss": 1.0}\n')
+    again = run_train(
+        recipe, run_dir, "training.save_interval=2", "training.resume=auto", "training.train_iters=3"
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    assert (run_dir / "metrics.after_step_2.jsonl").read_text() == '{"step": null, "loss": 1.0}\n'
