@@ -37,7 +37,9 @@ def preprocess(
         Optional[Path],
         typer.Option(
             "--export-jsonl",
-            help="Write every kept sample (index, input_ids, labels, image_sizes, images) as JSON Lines.",
+            help="Write every kept sample (index, input_ids, labels, image_sizes, images) as JSON Lines "
+            "(never over a file the command reads: the recipe, the dataset, its images, the model's or the "
+            "cache's files).",
         ),
     ] = None,
     overwrite_cache: Annotated[
@@ -59,6 +61,8 @@ def preprocess(
 
     loaded = load_recipe(recipe, list(overrides or []))
     plan = plan_preprocess(loaded, overwrite=True if overwrite_cache else None)
+    if export_jsonl is not None:  # before the encoding: a bad path costs nothing
+        _check_export(export_jsonl, plan, recipe)
     with rows_progress("encoding") as progress:
         result = run_preprocess(loaded, progress=progress, strict=strict, plan=plan)
     dataset = result.dataset
@@ -78,6 +82,7 @@ def preprocess(
 
     exported = None
     if export_jsonl is not None:
+        _check_export(export_jsonl, plan, recipe, dataset)
         exported = write_jsonl(dataset, export_jsonl)
         console.print(f"exported {exported} samples to {export_jsonl}")
 
@@ -95,6 +100,24 @@ def preprocess(
                 "exported": exported,
             }
         )
+
+
+def _check_export(path: Path, plan, recipe: Path, dataset=None) -> None:
+    """--export-jsonl never writes over an input (``run_record.refuse_overwriting_inputs``); with the
+    encoded ``dataset``, not over one of its images either (looked up only for an existing file in
+    the dataset's directory)."""
+    from magistral_cli.run_record import refuse_overwriting_inputs
+
+    inputs = [
+        ("the recipe", recipe),
+        ("the dataset", plan.dataset),
+        ("the model directory", plan.model_dir),
+        ("the cache directory", plan.cache_dir),
+    ]
+    if dataset is not None and path.is_file() and plan.dataset_dir.resolve() in path.resolve().parents:
+        images = {image for i in range(len(dataset)) for image in dataset[i].images}
+        inputs += [("an image of the dataset", image) for image in sorted(images)]
+    refuse_overwriting_inputs(path, inputs, "--export-jsonl")
 
 
 def register(app: typer.Typer) -> None:

@@ -6,11 +6,21 @@ turns are taken in order (last turn first with ``mask_history``) and each (promp
 pair is shortened by ``infer_seqlen``. A sample whose image tokens (``[IMG]``,
 ``[IMG_BREAK]`` or ``[IMG_END]``) would be cut is dropped (the model would fail with "image
 features and image tokens do not match"), as is one with no label left to train on.
+
+Text from the data is plain text unless the recipe sets ``split_special_tokens: false`` (the
+seed's setting): then control-token strings in it (``[INST]``, ``</s>``) become control tokens,
+counted per sample for the report, and a sample whose text would make ``[IMG]``,
+``[IMG_BREAK]`` or ``[IMG_END]`` is dropped: only an image may produce those. Image paths that
+lead outside ``dataset_dir`` (``../``, absolute, or through a symlink) are counted, or dropped
+with ``allow_outside_dataset_dir: false``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +44,7 @@ class EncodeParams:
     mask_history: bool
     default_system: str  # resolved: "" = no system prompt (see template.resolve_default_system)
     dataset_dir: str
+    allow_outside_dataset_dir: bool = True
 
     @classmethod
     def from_recipe(cls, recipe, dataset_dir: Path) -> EncodeParams:
@@ -49,6 +60,7 @@ class EncodeParams:
             mask_history=basic.mask_history,
             default_system=template.resolve_default_system(basic.default_system),
             dataset_dir=str(dataset_dir),
+            allow_outside_dataset_dir=basic.allow_outside_dataset_dir,
         )
 
 
@@ -62,6 +74,11 @@ class EncodedSample:
     image_sizes: np.ndarray  # int32 [n_images, 2] (height, width) after resizing
     source_index: int
     truncated: bool = False
+    # For the report (not stored in the cache): control-token strings in the sample's data text
+    # (encoded as control tokens with split_special_tokens false, else kept as text), and how
+    # many of its images lie outside dataset_dir.
+    text_control_tokens: dict[str, int] = field(default_factory=dict)
+    outside_images: int = 0
 
 
 def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple[int, int]:
@@ -107,7 +124,13 @@ def truncate_pairs(
 #: entries written before are not reused. 2: an image side never resolves to 0 tokens (a 1x5000
 #: image was kept with image_sizes [1540, 0]); JSON Lines are split on bytes, not at U+2028.
 #: 3: a sample without a system message gets the seed template's default system prompt.
-ENCODER_REVISION = 3
+#: 4: data text is plain text by default; the default system prompt's [THINK] markers are control
+#: tokens in both split_special_tokens modes; image tokens from data text drop the sample.
+ENCODER_REVISION = 4
+
+#: What a control-token string looks like (every Tekken control token: ``[INST]``, ``</s>``,
+#: ``<SPECIAL_20>``); a match is counted only if the vocabulary has it as a control token.
+_CONTROL_SHAPE = re.compile(r"\[/?[A-Za-z_]+\]|<[^<>\s]+>")
 
 
 class Encoder:
@@ -126,7 +149,55 @@ class Encoder:
         self.params = params
         self.fmt = fmt
         self.dataset_dir = Path(params.dataset_dir)
+        self._dataset_root = Path(os.path.realpath(self.dataset_dir))
         self._image_ids = (self.special.img, self.special.img_break, self.special.img_end)
+        self._control = tokenizer.control_tokens
+        self._control_set = frozenset(self._control)
+        self._control_names = frozenset(self._control.values())
+        # Ids only an image block may hold (the vocabulary's, plus the ids the template inserts).
+        self._image_only = frozenset(
+            i for i, text in self._control.items() if text in ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+        ) | frozenset(self._image_ids)
+        self._text_is_text = tokenizer.split_special_tokens
+        self._default_system_ids = template.default_system_ids(tokenizer, params.default_system)
+
+    # -- data text -----------------------------------------------------------------------------
+    def _count_control_strings(self, text: str, found: Counter) -> None:
+        """Count the control-token strings of ``text`` that stay plain text (split_special_tokens true)."""
+        if "[" not in text and "<" not in text:
+            return
+        for match in _CONTROL_SHAPE.finditer(text):
+            if match.group() in self._control_names:
+                found[match.group()] += 1
+
+    def _check_text_ids(self, ids: list[int], where: str, found: Counter) -> Drop | None:
+        """Control ids in the ids of a data text: counted, and a sample with an image one dropped."""
+        if self._control_set.isdisjoint(ids):
+            return None
+        if not self._text_is_text:  # with split_special_tokens true, _count_control_strings counts
+            for token in ids:
+                if token in self._control_set:
+                    found[self._control[token]] += 1
+        image = next((self._control.get(t, "[IMG]") for t in ids if t in self._image_only), None)
+        if image is None:
+            return None
+        if self._text_is_text:  # a tokenizer.json whose image tokens are not special tokens
+            fix = "use the model's own tekken.json (tokenizer_source: official)"
+            how = "this tokenizer file turns it into an image token even with split_special_tokens: true"
+        else:
+            fix = (
+                "write <image> where an image goes, or set "
+                "data.dataset_param.preprocess_parameters.split_special_tokens=true to keep such strings as text"
+            )
+            how = "split_special_tokens: false turns it into an image token"
+        return Drop(
+            "image_token_in_text", f"{where} holds the text {image}: {how} with no image behind it; {fix}"
+        )
+
+    def _outside(self, path: str) -> str | None:
+        """Where ``path`` really is when that is outside ``dataset_dir`` (symlinks followed), else None."""
+        real = os.path.realpath(path)
+        return None if Path(real).is_relative_to(self._dataset_root) else real
 
     # -- images --------------------------------------------------------------------------------
     def _image_size(self, path: str) -> tuple[int, int] | Drop:
@@ -151,13 +222,23 @@ class Encoder:
         """Encode a batch of rows (text of the whole batch is tokenized in one call)."""
         convs: list[Conversation | Drop] = [normalize_record(row, self.fmt, self.dataset_dir) for row in rows]
         sizes: list[list[tuple[int, int]] | Drop | None] = []
+        notes: list[tuple[Counter, int] | None] = []
         texts: list[str] = []
         for i, conv in enumerate(convs):
             if isinstance(conv, Drop):
                 sizes.append(None)
+                notes.append(None)
                 continue
             conv_sizes = []
+            outside = 0
             for path in conv.images:
+                real = self._outside(path)
+                if real is not None:
+                    if not self.params.allow_outside_dataset_dir:
+                        convs[i] = self._outside_drop(path, real)
+                        conv_sizes = None
+                        break
+                    outside += 1
                 size = self._image_size(path)
                 if isinstance(size, Drop):
                     convs[i] = size
@@ -165,26 +246,52 @@ class Encoder:
                     break
                 conv_sizes.append(size)
             sizes.append(conv_sizes)
+            found: Counter = Counter()
+            notes.append((found, outside))
             if conv_sizes is None:
                 continue
-            conv.system = template.system_prompt(conv.system, self.params.default_system)
-            if conv.system is not None:
-                texts.append(conv.system)
+            # The record's own system prompt is data text; the default one is encoded once (__init__).
+            data_texts = [conv.system] if conv.system else []
             for _, prompt, response in conv.turns:
-                texts.extend(piece for piece in iter_segments(prompt) if piece is not None)
-                texts.append(response)
+                data_texts.extend(piece for piece in iter_segments(prompt) if piece is not None)
+                data_texts.append(response)
+            if self._text_is_text:
+                for text in data_texts:
+                    self._count_control_strings(text, found)
+            texts += data_texts
         encoded = iter(self.tokenizer.encode_batch(texts))
         results: list[EncodedSample | Drop] = []
-        for row, conv, conv_sizes in zip(rows, convs, sizes, strict=True):
+        for row, conv, conv_sizes, note in zip(rows, convs, sizes, notes, strict=True):
             if isinstance(conv, Drop):
                 results.append(conv)
             else:
-                results.append(self._assemble(row.index, conv, conv_sizes, encoded))
+                results.append(self._assemble(row.index, conv, conv_sizes, encoded, *note))
         return results
 
-    def _assemble(self, index: int, conv: Conversation, image_sizes, encoded) -> EncodedSample | Drop:
+    def _outside_drop(self, path: str, real: str) -> Drop:
+        where = path if real == path else f"{path} (really {real})"
+        return Drop(
+            "image_outside_dataset_dir",
+            f"{where} is outside dataset_dir {self._dataset_root}; move the image under it, or set "
+            "data.dataset_param.basic_parameters.allow_outside_dataset_dir=true",
+        )
+
+    def _assemble(
+        self, index: int, conv: Conversation, image_sizes, encoded, found: Counter, outside: int
+    ) -> EncodedSample | Drop:
         special, tp = self.special, self.settings.token_pixels
-        system_ids = next(encoded) if conv.system is not None else None
+        # Every text is consumed from ``encoded`` before any return, so that the next sample's
+        # texts stay aligned; the first problem found is the sample's drop.
+        problem: Drop | None = None
+
+        def data_ids(where: str) -> list[int]:
+            nonlocal problem
+            ids = next(encoded)
+            if not self._text_is_text or not self._image_only.isdisjoint(ids):
+                problem = problem or self._check_text_ids(ids, where, found)
+            return ids
+
+        system_ids = data_ids("the system prompt") if conv.system else self._default_system_ids
         sizes = iter(image_sizes)
         pairs: list[tuple[list[int], list[int]]] = []
         for turn, (role, prompt, _response) in enumerate(conv.turns):
@@ -196,11 +303,13 @@ class Encoder:
                         height, width, tp, special.img, special.img_break, special.img_end
                     )
                 else:
-                    content += next(encoded)
+                    content += data_ids(f"prompt {turn}")
             source = template.prompt_ids(special, role, content)
             if turn == 0:
                 source = template.prefix_ids(special, system_ids) + source
-            pairs.append((source, template.response_ids(special, next(encoded))))
+            pairs.append((source, template.response_ids(special, data_ids(f"assistant turn {turn}"))))
+        if problem is not None:
+            return problem
 
         full_length = sum(len(s) + len(t) for s, t in pairs)
         input_ids, labels = truncate_pairs(pairs, self.params)
@@ -229,4 +338,6 @@ class Encoder:
             image_sizes=np.asarray(image_sizes, dtype=np.int32).reshape(-1, 2),
             source_index=index,
             truncated=truncated,
+            text_control_tokens=dict(found),
+            outside_images=outside,
         )

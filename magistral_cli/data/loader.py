@@ -27,12 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from magistral_cli.errors import UserError
+from magistral_cli.errors import PATH_ERRNOS, UserError
 
 from .cache import EncodedDataset
 from .collator import COLLATORS, IGNORE_INDEX, PixtralCollator
 from .packing import plan_packs, segment_mode
-from .pixtral import ImageSettings, load_pixel_values
+from .pixtral import ImageChangedError, ImageSettings, ImageSizeError, load_pixel_values
 from .samplers import SAMPLER_TYPES, build_sampler
 
 
@@ -139,9 +139,7 @@ class TrainDataset:
             labels.append(target)
             positions.append(np.arange(len(sample.input_ids), dtype=np.int64))
             for path, size in zip(sample.images, sample.image_sizes, strict=True):
-                pixels.append(
-                    load_pixel_values(path, self.settings, expected_hw=(int(size[0]), int(size[1])))
-                )
+                pixels.append(self._pixels(path, (int(size[0]), int(size[1])), sample.source_index))
         return {
             "input_ids": np.concatenate(ids).astype(np.int64),
             "labels": np.concatenate(labels).astype(np.int64),
@@ -149,6 +147,27 @@ class TrainDataset:
             "sample_lengths": np.array([len(x) for x in ids], dtype=np.int64),
             "pixel_values": pixels,
         }
+
+    def _pixels(self, path: str, size: tuple[int, int], row: int) -> np.ndarray:
+        """The pixel values of one image; an image that preprocessing read but that is now missing,
+        unreadable, undecodable or of another size is one ``UserError`` naming it and its sample
+        (the dataset row); a disk that fails to read (an I/O error) stays the machine's ``OSError``."""
+        import errno
+
+        from PIL import Image
+
+        try:
+            return load_pixel_values(path, self.settings, expected_hw=size)
+        except OSError as exc:
+            if isinstance(exc.errno, int) and errno.errorcode.get(exc.errno) not in PATH_ERRNOS:
+                raise
+            reason = exc.strerror or str(exc)
+        except (ImageChangedError, ImageSizeError, SyntaxError, Image.DecompressionBombError) as exc:
+            reason = str(exc)
+        raise UserError(
+            f"image {path} of sample {row} changed since preprocessing: re-run magistral preprocess with "
+            f"data.dataset_param.basic_parameters.overwrite_cache=true ({reason})"
+        )
 
 
 def _check_loader_options(recipe) -> None:

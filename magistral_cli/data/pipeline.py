@@ -26,7 +26,7 @@ from . import cache as cache_mod
 from .encoder import ENCODER_REVISION, EncodedSample, EncodeParams, Encoder
 from .pixtral import ImageSettings, load_image_settings
 from .readers import Drop, RecordFormat, RowSource, read_rows
-from .report import build_report
+from .report import SampleNotes, build_report
 from .template import check_template
 from .tokenizer import (
     TekkenTokenizer,
@@ -248,8 +248,8 @@ def run_preprocess(
     """
     plan = plan or plan_preprocess(recipe, overwrite=overwrite)
     with _entry_lock(plan):
-        if cache_mod.is_complete(plan.entry) and not plan.overwrite:
-            dataset = cache_mod.EncodedDataset(plan.entry, reused=True)
+        # A damaged entry is not reusable (cache.open_reusable warns): it is encoded again below.
+        if not plan.overwrite and (dataset := cache_mod.open_reusable(plan.entry)) is not None:
             if strict and dataset.meta.get("dropped"):
                 _raise_strict(dataset.drops())
             return PreprocessResult(dataset, dataset.report, reused=True)
@@ -257,10 +257,12 @@ def run_preprocess(
         started = time.perf_counter()
         rows = read_rows(plan.dataset, plan.max_samples)
         writer = cache_mod.CacheWriter()
+        notes = SampleNotes(split_special_tokens=plan.tokenizer.split_special_tokens)
         for part in _encode_all(plan, rows, _counter(progress, len(rows))):
             for item in part:
                 if isinstance(item, EncodedSample):
                     writer.add(item)
+                    notes.add(item)
                 else:
                     index, drop = item
                     writer.drop(index, drop.reason, drop.detail)
@@ -273,7 +275,12 @@ def run_preprocess(
             )
         seconds = time.perf_counter() - started
         report = build_report(
-            writer, rows=len(rows), seconds=seconds, cutoff_len=plan.params.cutoff_len, workers=plan.workers
+            writer,
+            rows=len(rows),
+            seconds=seconds,
+            cutoff_len=plan.params.cutoff_len,
+            workers=plan.workers,
+            notes=notes,
         )
         meta = {
             "format_version": cache_mod.FORMAT_VERSION,
@@ -300,9 +307,7 @@ def find_cached_dataset(recipe) -> cache_mod.EncodedDataset | None:
     for unusable inputs (a missing dataset or tokenizer file, an unsupported template).
     """
     plan = plan_preprocess(recipe)
-    if not cache_mod.is_complete(plan.entry):
-        return None
-    return cache_mod.EncodedDataset(plan.entry, reused=True)
+    return cache_mod.open_reusable(plan.entry)  # None for a damaged entry too (with a warning)
 
 
 def _raise_strict(drops: list[dict]) -> None:

@@ -189,6 +189,10 @@ class ImageSizeError(ValueError):
     """An image whose size cannot be turned into image tokens (a reason to drop its row)."""
 
 
+class ImageChangedError(RuntimeError):
+    """An image that no longer has the size preprocessing recorded for it."""
+
+
 @dataclass(frozen=True)
 class ImagePlan:
     """How one source image is resized: the intermediate size and the final (height, width)."""
@@ -269,10 +273,9 @@ def load_pixel_values(
             image = image.resize((plan.width, plan.height), resample=Image.Resampling.BICUBIC)
         array = np.asarray(image, dtype=np.float32)
     if expected_hw is not None and (plan.height, plan.width) != tuple(expected_hw):
-        raise RuntimeError(
-            f"image {path} now resizes to {plan.height}x{plan.width} but was {expected_hw[0]}x{expected_hw[1]} "
-            "when the dataset was preprocessed; it changed on disk: run `magistral preprocess` with "
-            "data.dataset_param.basic_parameters.overwrite_cache=true"
+        raise ImageChangedError(
+            f"it now resizes to {plan.height}x{plan.width} but was {expected_hw[0]}x{expected_hw[1]} "
+            "when the dataset was preprocessed: it changed on disk"
         )
     array *= np.float32(settings.rescale_factor)
     array -= np.asarray(settings.image_mean, dtype=np.float32)

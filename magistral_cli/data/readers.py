@@ -40,6 +40,9 @@ DROP_REASONS = {
     "image_count_mismatch": "the number of <image> placeholders differs from the number of images",
     "image_in_assistant_turn": "an <image> placeholder is inside an assistant turn",
     "missing_image": "an image file does not exist",
+    "image_outside_dataset_dir": "an image path leads outside dataset_dir (allow_outside_dataset_dir: false)",
+    "image_token_in_text": "the text holds [IMG], [IMG_BREAK] or [IMG_END], which split_special_tokens: false "
+    "would turn into image tokens with no image",
     "unreadable_image": "an image path is a directory or a file that cannot be decoded as an image",
     "unusable_image_size": "an image's size gives no image token on a side",
     "unsupported_video": "the record has videos (not supported for Magistral)",
@@ -76,6 +79,35 @@ class RowSource:
 
 
 _BOM = b"\xef\xbb\xbf"
+#: JSON nested deeper than Python's parser recurses (RecursionError, not a JSONDecodeError).
+_TOO_DEEP = (
+    "the JSON is nested too deeply to parse (arrays or objects inside each other, about a thousand levels)"
+)
+#: The deepest record kept: a record is a few levels deep (record, messages, message, text); one
+#: nested deeper could still not be copied to the preprocessing workers (pickle recurses too).
+MAX_RECORD_DEPTH = 32
+
+
+def _too_deep(record: Any) -> bool:
+    """Whether ``record`` nests lists and objects more than ``MAX_RECORD_DEPTH`` levels (no recursion)."""
+    stack = [(record, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            value = list(value.values())
+        if isinstance(value, list):
+            if depth > MAX_RECORD_DEPTH:
+                return True
+            stack.extend((item, depth + 1) for item in value)
+    return False
+
+
+def _row(index: int, record: Any, where: str) -> RowSource:
+    """A parsed record as a row, or, when it is nested too deeply to use, a row to drop."""
+    if _too_deep(record):
+        detail = f"{where}: the record nests lists and objects more than {MAX_RECORD_DEPTH} levels deep"
+        return RowSource(index, None, detail, "invalid_record")
+    return RowSource(index, record)
 
 
 def _utf8_error(exc: UnicodeDecodeError, base: int) -> str:
@@ -116,8 +148,13 @@ def read_rows(path: str | Path, max_samples: int | None = None) -> list[RowSourc
                 f"{path} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
                 "fix it, or write one record per line (JSON Lines) so that bad lines are skipped"
             ) from None
+        except RecursionError:
+            raise UserError(
+                f"{path}: {_TOO_DEEP}; fix the records, or write one record per line (JSON Lines) so that "
+                "such lines are skipped"
+            ) from None
         for index, record in enumerate(records[:max_samples] if max_samples else records):
-            rows.append(RowSource(index, record))
+            rows.append(_row(index, record, f"record {index}"))
         return rows
     index = 0
     offset = base
@@ -136,9 +173,11 @@ def read_rows(path: str | Path, max_samples: int | None = None) -> list[RowSourc
             index += 1
             continue
         try:
-            rows.append(RowSource(index, json.loads(line)))
+            rows.append(_row(index, json.loads(line), f"line {lineno}"))
         except json.JSONDecodeError as exc:
             rows.append(RowSource(index, None, f"line {lineno}: {exc.msg} at column {exc.colno}"))
+        except RecursionError:
+            rows.append(RowSource(index, None, f"line {lineno}: {_TOO_DEEP}"))
         index += 1
     if not rows:
         raise UserError(f"{path} holds no records")

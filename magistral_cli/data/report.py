@@ -1,5 +1,6 @@
-"""The preprocessing report: kept, dropped by reason, lengths (percentiles and a histogram), images,
-speed, and the split."""
+"""The preprocessing report: kept, dropped by reason, lengths (percentiles and a histogram), images
+(and how many came from outside dataset_dir), control-token strings in the data text, speed, and
+the split."""
 
 from __future__ import annotations
 
@@ -12,9 +13,41 @@ from .readers import DROP_REASONS
 
 #: Dropped rows listed per reason in the report (the full list is drops.jsonl).
 EXAMPLES_PER_REASON = 5
+#: Control tokens named in the console summary (the report has them all).
+TOKENS_SHOWN = 6
 
 
-def build_report(writer, *, rows: int, seconds: float, cutoff_len: int, workers: int) -> dict:
+class SampleNotes:
+    """What the kept samples tell the report beyond the cache writer's numbers."""
+
+    def __init__(self, split_special_tokens: bool):
+        self.split_special_tokens = split_special_tokens
+        self.control_tokens: Counter = Counter()
+        self.control_samples = 0
+        self.outside_images = 0
+
+    def add(self, sample) -> None:
+        """Take the notes of one kept :class:`~magistral_cli.data.encoder.EncodedSample`."""
+        if sample.text_control_tokens:
+            self.control_tokens.update(sample.text_control_tokens)
+            self.control_samples += 1
+        self.outside_images += sample.outside_images
+
+    def fields(self) -> dict:
+        return {
+            "control_tokens_in_text": {
+                "encoded_as": "text" if self.split_special_tokens else "control tokens",
+                "samples": self.control_samples,
+                "total": sum(self.control_tokens.values()),
+                "tokens": dict(self.control_tokens.most_common()),
+            },
+            "images_outside_dataset_dir": self.outside_images,
+        }
+
+
+def build_report(
+    writer, *, rows: int, seconds: float, cutoff_len: int, workers: int, notes: SampleNotes | None = None
+) -> dict:
     """Summary numbers of one preprocessing run (``writer`` is the filled CacheWriter)."""
     lengths = np.asarray(writer.lengths, dtype=np.int64)
     by_reason = Counter(d["reason"] for d in writer.drops)
@@ -43,6 +76,7 @@ def build_report(writer, *, rows: int, seconds: float, cutoff_len: int, workers:
         "cutoff_len": cutoff_len,
         "images": len(writer.images),
         "images_per_sample": {str(k): v for k, v in sorted(images.items())},
+        **(notes.fields() if notes is not None else {}),
         "seconds": round(seconds, 3),
         "samples_per_s": round(rows / seconds, 1) if seconds > 0 else None,
         "workers": workers,
@@ -66,14 +100,16 @@ def with_split(report: dict, recipe, kept: int) -> dict:
 
 
 def render_report(report: dict, console, *, entry: str, reused: bool) -> None:
-    """The report as rich tables on ``console``."""
+    """The report as rich tables on ``console`` (text from the data and paths are escaped: a
+    ``[/INST]`` in them is not rich markup)."""
+    from rich.markup import escape
     from rich.table import Table
 
     title = "preprocess: cache reused" if reused else "preprocess: encoded"
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("value")
-    table.add_row("cache entry", entry)
+    table.add_row("cache entry", escape(entry))
     table.add_row("rows read", str(report["rows"]))
     table.add_row("kept", f"[green]{report['kept']}[/]")
     split = report.get("split")
@@ -93,18 +129,47 @@ def render_report(report: dict, console, *, entry: str, reused: bool) -> None:
         )
     per = ", ".join(f"{k}: {v}" for k, v in report["images_per_sample"].items())
     table.add_row("images", f"{report['images']} (images per sample {per})")
+    if "images_outside_dataset_dir" in report:
+        table.add_row("images outside dataset_dir", str(report["images_outside_dataset_dir"]))
+    control = report.get("control_tokens_in_text")
+    if control is not None:
+        table.add_row("control tokens in data text", _control_summary(control))
     if report.get("samples_per_s") is not None:
         table.add_row(
             "speed when encoded" if reused else "speed",
             f"{report['samples_per_s']} rows/s ({report['seconds']} s, {report['workers']} worker(s))",
         )
     console.print(table)
+    if control and control["total"] and control["encoded_as"] != "text":
+        console.print(
+            f"[yellow]warning:[/] {control['total']} control token(s) written in the text of {control['samples']} "
+            "sample(s) were encoded as control tokens (split_special_tokens: false, the seed's setting); "
+            "mistral-common encodes them as plain text: set "
+            "data.dataset_param.preprocess_parameters.split_special_tokens=true to do the same"
+        )
     if report["dropped_by_reason"]:
         drops = Table(title="dropped rows by reason", title_justify="left")
         drops.add_column("reason", style="bold red")
         drops.add_column("rows", justify="right")
         drops.add_column("first rows (index: detail)")
         for reason, count in report["dropped_by_reason"].items():
-            shown = "\n".join(f"{e['index']}: {e['detail']}" for e in report["drop_examples"].get(reason, []))
-            drops.add_row(f"{reason}\n[dim]{DROP_REASONS.get(reason, '')}[/]", str(count), shown)
+            shown = "\n".join(
+                f"{e['index']}: {escape(e['detail'])}" for e in report["drop_examples"].get(reason, [])
+            )
+            drops.add_row(f"{reason}\n[dim]{escape(DROP_REASONS.get(reason, ''))}[/]", str(count), shown)
         console.print(drops)
+
+
+def _control_summary(control: dict) -> str:
+    from rich.markup import escape
+
+    if not control["total"]:
+        return "none"
+    tokens = list(control["tokens"].items())
+    named = ", ".join(f"{token} x{count}" for token, count in tokens[:TOKENS_SHOWN])
+    if len(tokens) > TOKENS_SHOWN:
+        named += f", {len(tokens) - TOKENS_SHOWN} more kinds"
+    where = f"{control['total']} in {control['samples']} sample(s)"
+    if control["encoded_as"] == "text":
+        return f"{where}, kept as text: {escape(named)}"
+    return f"[yellow]{where}, encoded as control tokens: {escape(named)}[/]"

@@ -14,17 +14,22 @@
 
 The template works on token ids: text pieces are tokenized on their own and special ids are
 inserted directly, which is what mistral-common does and avoids building and re-parsing
-strings of thousands of ``[IMG]`` tokens.
+strings of thousands of ``[IMG]`` tokens. Control tokens come from the template alone: a
+control-token string in the data (``[INST]``) is plain text, as mistral-common encodes it,
+unless the recipe sets ``split_special_tokens: false`` (the seed's setting; the encoder counts
+such tokens for the report and drops a sample whose text would make an image token).
 """
 
 from __future__ import annotations
 
-from .tokenizer import SpecialIds
+import re
+
+from .tokenizer import SpecialIds, TekkenTokenizer
 
 #: The seed template's ``default_system`` (Magistral's reasoning instructions, as its model card
-#: recommends them), character for character, trailing space included. ``[THINK]`` and
-#: ``[/THINK]`` are written as text: the tokenizer maps them to their special ids, as the seed's
-#: Hugging Face tokenizer does (unless ``split_special_tokens``).
+#: recommends them), character for character, trailing space included. Its ``[THINK]`` and
+#: ``[/THINK]`` become their control tokens (``default_system_ids``), as in the seed's encoding and
+#: in mistral-common's ``ThinkChunk``.
 MAGISTRAL_THINKING_PROMPT = (
     "First draft your thinking process (inner monologue) until you arrive at a response. Format your "
     "response using Markdown, and use LaTeX for any mathematical equations. Write both your thoughts and "
@@ -53,9 +58,30 @@ def resolve_default_system(recipe_value: str | None) -> str:
     return MAGISTRAL_THINKING_PROMPT if recipe_value is None else recipe_value
 
 
-def system_prompt(record_system: str | None, default_system: str) -> str | None:
-    """The system prompt of a sample: its own, else the default; None (no block) when both are empty."""
-    return record_system or default_system or None
+THINK_MARKERS = ("[THINK]", "[/THINK]")
+_THINK_SPLIT = re.compile(r"(\[/?THINK\])")
+
+
+def default_system_ids(tokenizer: TekkenTokenizer, default_system: str) -> list[int] | None:
+    """Ids of the default system prompt (a sample without a system message gets it); None for "".
+
+    It is the recipe's text, not the data's: its text is plain text (mistral-common's
+    ``TextChunk``) whatever ``split_special_tokens`` says, and ``[THINK]`` ... ``[/THINK]`` are
+    the control tokens of a ``ThinkChunk`` when the vocabulary has them (tokenizer v13,
+    Magistral-Small-2509's). With an older vocabulary the markers are text like the rest.
+    """
+    if not default_system:
+        return None
+    markers = {marker: tokenizer.control_id(marker) for marker in THINK_MARKERS}
+    if None in markers.values():
+        return tokenizer.encode_as_text(default_system)
+    ids: list[int] = []
+    for piece in _THINK_SPLIT.split(default_system):
+        if piece in markers:
+            ids.append(markers[piece])
+        elif piece:
+            ids += tokenizer.encode_as_text(piece)
+    return ids
 
 
 def prefix_ids(special: SpecialIds, system_ids: list[int] | None) -> list[int]:

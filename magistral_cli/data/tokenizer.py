@@ -15,6 +15,7 @@ cannot resolve ``<s>`` or ``[IMG]`` would otherwise produce samples that are sil
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,11 +77,33 @@ class TekkenTokenizer:
     special: SpecialIds
     source: Literal["official", "unsloth"]
     files: dict[str, str]  # file name -> SHA-256 (part of the cache fingerprint)
-    split_special_tokens: bool = False
+    split_special_tokens: bool = True
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` without BOS/EOS."""
+        """Token ids of ``text`` without BOS/EOS (control-token strings as ``split_special_tokens`` says)."""
         return self.backend.encode(text, add_special_tokens=False, is_pretokenized=False).ids
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` with every control-token string in it encoded as plain text
+        (mistral-common's ``TextChunk``), whatever ``split_special_tokens`` says."""
+        backend = self.backend
+        if backend.encode_special_tokens:
+            return self.encode(text)
+        backend.encode_special_tokens = True
+        try:
+            return self.encode(text)
+        finally:
+            backend.encode_special_tokens = False
+
+    @functools.cached_property
+    def control_tokens(self) -> dict[int, str]:
+        """Id -> string of every control token (the vocabulary's added tokens: Tekken's 1000 specials)."""
+        return {int(i): token.content for i, token in self.backend.get_added_tokens_decoder().items()}
+
+    def control_id(self, token: str) -> int | None:
+        """The id of control token ``token``, or None when the vocabulary has no such control token."""
+        token_id = self.backend.token_to_id(token)
+        return token_id if token_id is not None and self.control_tokens.get(token_id) == token else None
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of many texts at once (the Rust side handles the batch)."""
@@ -217,13 +240,13 @@ def load_tokenizer(
     model_dir: str | Path,
     source: str = "auto",
     fix_mistral_regex: bool = False,
-    split_special_tokens: bool = False,
+    split_special_tokens: bool = True,
 ) -> TekkenTokenizer:
     """Load and check the tokenizer of ``model_dir``.
 
-    ``split_special_tokens`` False (the seed's default) lets special-token strings written in
-    the data (``[INST]``) map to their special ids, as Hugging Face tokenizers do; True encodes
-    them as plain text, as mistral-common does.
+    ``split_special_tokens`` True (the default) encodes control-token strings written in the
+    data (``[INST]``, ``</s>``) as plain text, as mistral-common does; False (the seed's setting,
+    LLaMA-Factory's) maps them to their control ids, as Hugging Face tokenizers do.
     """
     kind, path, files = tokenizer_files(model_dir, source, fix_mistral_regex, split_special_tokens)
     backend = _build_backend(
@@ -237,7 +260,7 @@ def tokenizer_files(
     model_dir: str | Path,
     source: str = "auto",
     fix_mistral_regex: bool = False,
-    split_special_tokens: bool = False,
+    split_special_tokens: bool = True,
 ) -> tuple[Literal["official", "unsloth"], Path, dict[str, str]]:
     """Which file the tokenizer comes from and what identifies it (hashes and options), cheaply.
 

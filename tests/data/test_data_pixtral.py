@@ -169,13 +169,17 @@ def replace_image_token():
 
 
 @pytest.mark.parametrize("size", [(300, 200), (97, 61), (640, 480), (1000, 700), (20, 20), (2000, 30)])
-def test_transformers_grid_tokens_are_the_seeds(tmp_path, replace_image_token, tokenizer, size):
+def test_transformers_grid_tokens_are_the_seeds(tmp_path, replace_image_token, model_dir, size):
     """The seed's [IMG] layout: the standalone image processor's sizes (14-px grid), expanded as
     PixtralProcessor (and the seed's PixtralPlugin) do it, floor(side / 28) tokens a side."""
+    from magistral_cli.data.tokenizer import load_tokenizer
+
     path = _random_image(tmp_path, size)
     with Image.open(path) as image:
         inputs = _processor(14)(_llamafactory_preprocess(image), return_tensors="np")
     text = replace_image_token(inputs, 0)
+    # The seed's tokenizer setting (split_special_tokens: false) reads the expanded [IMG] string.
+    tokenizer = load_tokenizer(model_dir, split_special_tokens=False)
     expected = tokenizer.encode(text)
     plan = plan_image(*size, TRANSFORMERS_GRID)
     special = tokenizer.special

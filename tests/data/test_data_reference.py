@@ -191,10 +191,12 @@ def v13_model_dir(model_dir, tmp_path_factory):
     return path
 
 
-def test_default_system_prompt_equals_mistral_common_think_chunks(v13_model_dir, tmp_path):
+@pytest.mark.parametrize("split", [True, False], ids=["text_is_text", "seed_split_false"])
+def test_default_system_prompt_equals_mistral_common_think_chunks(split, v13_model_dir, tmp_path):
     """A row without a system message gets the seed's default system prompt: the same ids as
     mistral-common's system message of text + ThinkChunk + text (how Magistral's own
-    SYSTEM_PROMPT.txt is meant), with [THINK] / [/THINK] as special tokens."""
+    SYSTEM_PROMPT.txt is meant), with [THINK] / [/THINK] as special tokens. The prompt is the
+    template's, not data text: both split_special_tokens settings give these ids."""
     import json
     from pathlib import Path
 
@@ -218,7 +220,7 @@ def test_default_system_prompt_equals_mistral_common_think_chunks(v13_model_dir,
     turns = [UserMessage(content="Hello there!"), AssistantMessage(content="Hi.")]
     theirs = reference.encode_chat_completion(ChatCompletionRequest(messages=[system, *turns])).tokens
 
-    tokenizer = load_tokenizer(v13_model_dir)
+    tokenizer = load_tokenizer(v13_model_dir, split_special_tokens=split)
     record = {
         "messages": [{"role": "user", "content": "Hello there!"}, {"role": "assistant", "content": "Hi."}]
     }
@@ -228,3 +230,29 @@ def test_default_system_prompt_equals_mistral_common_think_chunks(v13_model_dir,
     without = _ours(v13_model_dir, tokenizer, record, tmp_path, default_system="")
     no_system = reference.encode_chat_completion(ChatCompletionRequest(messages=turns)).tokens
     assert without.input_ids.tolist() == no_system and len(theirs) > len(no_system) + 100
+
+
+def test_a_records_own_think_markers_are_text_as_in_mistral_common(v13_model_dir, tmp_path):
+    """A record's system message is data text: its [THINK] is text by default (mistral-common's
+    plain string content), even where the vocabulary has [THINK] as a control token."""
+    from mistral_common.protocol.instruct.messages import AssistantMessage, SystemMessage, UserMessage
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+    from mistral_common.protocol.instruct.validator import ValidationMode
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    from magistral_cli.data.tokenizer import load_tokenizer
+
+    system = "Think first: [THINK]draft[/THINK] then answer."
+    reference = MistralTokenizer.from_file(str(v13_model_dir / "tekken.json"), mode=ValidationMode.finetuning)
+    messages = [SystemMessage(content=system), UserMessage(content="Hi"), AssistantMessage(content="Yo.")]
+    theirs = reference.encode_chat_completion(ChatCompletionRequest(messages=messages)).tokens
+    record = {
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Yo."},
+        ]
+    }
+    ours = _ours(v13_model_dir, load_tokenizer(v13_model_dir), record, tmp_path)
+    assert ours.input_ids.tolist() == theirs and 34 not in theirs
+    assert ours.text_control_tokens == {"[THINK]": 1, "[/THINK]": 1}
