@@ -7,7 +7,9 @@ Public entry points (import them from their modules; this package imports nothin
 - ``layout``: where things sit on disk: ``DCP_METADATA``, ``MEGATRON_RELEASE_DIR``, ``MEGATRON_TRACKER``,
   ``LATEST``, ``step_dir_name``, ``is_dcp_dir``, ``latest_name``, ``list_checkpoints``, ``checkpoints_dir``.
 - ``integrity``: training checkpoints' ``integrity.json`` and the one check every reader makes:
-  ``verify_checkpoint``, ``require_intact``, ``newest_intact``, ``storage_problems``.
+  ``verify_checkpoint``, ``require_intact``, ``newest_intact``.
+- ``safe_dcp``: the restricted DCP reader (``SafeFileSystemReader``, ``read_metadata``) and the check
+  of a ``.metadata`` against its data files (``storage_problems``).
 - ``hf``: a Hugging Face model directory's files (``CONFIG``, ``WEIGHT_INDEX``, ``SINGLE_WEIGHTS``).
 - ``hf_to_dcp.convert_hf_to_dcp(model_dir, dcp_dir, layout="fsdp2"|"megatron", progress=None, fsync=False)``
 - ``dcp_to_hf.export_dcp_to_hf(dcp_dir, model_dir, out_dir, layout="official"|"transformers", progress=None, fsync=False)``

@@ -18,7 +18,7 @@ as resume does, and warn about each newer one they passed over.
 
 A DCP that is not a training checkpoint (a ``convert hf-to-dcp`` output) has no record; its
 ``.metadata`` is still checked against the files on disk: every data file it names must exist and
-hold the bytes it places there (``storage_problems``, run by the safe reader on every read).
+hold the bytes it places there (``safe_dcp.storage_problems``, run by the safe reader on every read).
 
 Verifying reads every byte (at memory speed: xxh3-64). A process that reads the same checkpoint
 several times (``generate`` classifies it, then loads it) hashes it once: an outcome is reused
@@ -95,27 +95,6 @@ def write_integrity(checkpoint: Path, files: dict[str, dict[str, Any]], step: in
 # --------------------------------------------------------------------------- the metadata's own claims
 
 
-def storage_problems(checkpoint_dir: Path, metadata: Any) -> list[str]:
-    """What keeps the data files of a DCP from holding what its ``.metadata`` places in them:
-    a file that is missing, or shorter than the end of its last item. Empty when they can."""
-    ends: dict[str, int] = {}
-    for info in (getattr(metadata, "storage_data", None) or {}).values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), int(info.offset) + int(info.length))
-    problems = []
-    for name, end in sorted(ends.items()):
-        path = Path(checkpoint_dir) / name
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            problems.append(f"{path} is missing ({DCP_METADATA} places {end} bytes of tensors in it)")
-            continue
-        if size < end:
-            problems.append(
-                f"{path} has {size} bytes, but {DCP_METADATA} places data up to byte {end} (truncated)"
-            )
-    return problems
-
-
 def is_training_metadata(metadata: Any) -> bool:
     """Whether a DCP ``Metadata`` is a training checkpoint's (it records the step)."""
     return STEP_KEY in metadata.state_dict_metadata
@@ -184,7 +163,7 @@ def _inspect(path: Path, rank: int, world_size: int) -> Verification:
         if not (path / DCP_METADATA).is_file():
             result.problems.append(f"{path} has no {DCP_METADATA} (an incomplete save)")
             return result
-        from .safe_dcp import read_metadata
+        from .safe_dcp import read_metadata, storage_problems
 
         metadata = read_metadata(path, check_files=False)  # a planted or foreign file: its UserError
         result.training = is_training_metadata(metadata)
@@ -362,7 +341,6 @@ __all__ = [
     "latest_disagreement",
     "newest_intact",
     "require_intact",
-    "storage_problems",
     "verify_checkpoint",
     "write_integrity",
 ]

@@ -20,7 +20,7 @@ metadata file may declare any key such an entry, so a checkpoint can reach that 
   ``weights_only=False`` load sees nothing but what ``weights_only`` allowed.
 
 Before anything is read, every data file the metadata names must exist and reach the end of its
-last item (``integrity.storage_problems``): a missing or truncated ``.distcp`` is named in one
+last item (``storage_problems``): a missing or truncated ``.distcp`` is named in one
 ``CheckFailed`` instead of failing somewhere inside DCP's read.
 
 Tensor items are read as torch reads them (``torch.load(weights_only=True)``). Everything else
@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from magistral_cli.errors import CheckFailed, UserError
 
-from .integrity import storage_problems
+from .layout import DCP_METADATA
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 
@@ -222,10 +222,38 @@ class SafeFileSystemReader(FileSystemReader):
         return super().read_data(plan, planner)
 
 
+def storage_problems(checkpoint_dir: Path, metadata: Any) -> list[str]:
+    """What keeps the data files of a DCP from holding what its ``.metadata`` places in them:
+    a file that is missing, or shorter than the end of its last item. Empty when they can."""
+    ends: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), int(info.offset) + int(info.length))
+    problems = []
+    for name, end in sorted(ends.items()):
+        path = Path(checkpoint_dir) / name
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{path} is missing ({DCP_METADATA} places {end} bytes of tensors in it)")
+            continue
+        if size < end:
+            problems.append(
+                f"{path} has {size} bytes, but {DCP_METADATA} places data up to byte {end} (truncated)"
+            )
+    return problems
+
+
 def read_metadata(path: str | os.PathLike, check_files: bool = True) -> Metadata:
     """The ``Metadata`` of the DCP checkpoint directory ``path``, read with ``MetadataUnpickler``
     (and its data files checked against it unless ``check_files=False``)."""
     return SafeFileSystemReader(str(path), check_files=check_files).read_metadata()
 
 
-__all__ = ["ADMITTED", "MetadataUnpickler", "SafeFileSystemReader", "load_metadata_file", "read_metadata"]
+__all__ = [
+    "ADMITTED",
+    "MetadataUnpickler",
+    "SafeFileSystemReader",
+    "load_metadata_file",
+    "read_metadata",
+    "storage_problems",
+]
