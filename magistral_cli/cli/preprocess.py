@@ -56,8 +56,9 @@ def preprocess(
     from magistral_cli.config.loader import load_recipe
     from magistral_cli.data.inspection import export_jsonl as write_jsonl
     from magistral_cli.data.inspection import inspect_samples, plain_text, rich_text
+    from magistral_cli.data.loader import with_split
     from magistral_cli.data.pipeline import plan_preprocess, run_preprocess
-    from magistral_cli.data.report import render_report, with_split
+    from magistral_cli.data.report import render_report
 
     loaded = load_recipe(recipe, list(overrides or []))
     plan = plan_preprocess(loaded, overwrite=True if overwrite_cache else None)

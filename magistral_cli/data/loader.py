@@ -74,6 +74,20 @@ def validation_count(n: int, val_size: float | int) -> int:
     return k
 
 
+def with_split(report: dict, recipe, kept: int) -> dict:
+    """The report with ``split`` (train / validation sample counts) when the recipe has ``val_size``.
+
+    The split is decided when the loaders are built, from ``val_size`` and ``training.seed``, so
+    it is not part of the cache entry (nor of its report.json): one entry serves every val_size.
+    """
+    val_size = recipe.data.dataset_param.basic_parameters.val_size
+    if not val_size:
+        return report
+    val = validation_count(kept, val_size)
+    split = {"train": kept - val, "val": val, "val_size": val_size, "seed": recipe.training.seed}
+    return {**report, "split": split}
+
+
 def split_indices(n: int, val_size: float | int, seed: int) -> tuple[list[int], list[int]]:
     """The training and validation sample indices of an encoded dataset of ``n`` samples, both sorted.
 

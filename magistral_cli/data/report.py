@@ -83,22 +83,6 @@ def build_report(
     }
 
 
-def with_split(report: dict, recipe, kept: int) -> dict:
-    """The report with ``split`` (train / validation sample counts) when the recipe has ``val_size``.
-
-    The split is decided when the loaders are built, from ``val_size`` and ``training.seed``, so
-    it is not part of the cache entry (nor of its report.json): one entry serves every val_size.
-    """
-    from .loader import validation_count
-
-    val_size = recipe.data.dataset_param.basic_parameters.val_size
-    if not val_size:
-        return report
-    val = validation_count(kept, val_size)
-    split = {"train": kept - val, "val": val, "val_size": val_size, "seed": recipe.training.seed}
-    return {**report, "split": split}
-
-
 def render_report(report: dict, console, *, entry: str, reused: bool) -> None:
     """The report as rich tables on ``console`` (text from the data and paths are escaped: a
     ``[/INST]`` in them is not rich markup)."""
