@@ -58,7 +58,9 @@ def cp_equivalence_request(
     options: dict[str, Any] = {"dtypes": dtypes, "chunk_loss": chunk_loss}
     if thresholds is not None:
         options["thresholds"] = thresholds
-    return CpRequest(PROBE, mode, nproc or default_cp_nproc(mode), options)
+    return CpRequest(
+        PROBE, mode, nproc or default_cp_nproc(mode), options, rank_job=rank_job, evaluate=evaluate
+    )
 
 
 def run_cp_equivalence_probe(
@@ -82,7 +84,7 @@ def run_cp_equivalence_probe(
 
 def rank_job(request: CpRequest) -> dict[str, Any]:
     return {
-        "probe": PROBE,
+        "run": run_rank_job,
         "mode": request.mode,
         "dtypes": list(request.options["dtypes"]),
         "chunk_loss": request.options["chunk_loss"],

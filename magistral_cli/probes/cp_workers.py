@@ -7,14 +7,16 @@ runs every request of that size in it, and turns each request's per-rank results
 :class:`ProbeResult`: spawning and importing torch dominate on a small machine, so ``probe all``
 and the tests pay them once per world size, not once per check.
 
-The jobs are plain dicts (they cross the process boundary by pickling): each probe module
-provides ``rank_job(request)`` (run on every rank, returns a JSON-able dict) and
-``evaluate(request, device, per_rank)`` (run in the parent, returns the ProbeResult).
+Each request carries its probe's two functions: ``rank_job(request)`` (the job every rank runs:
+a plain dict, pickled across the process boundary, whose ``"run"`` is the probe module's
+rank function and whose other items are its arguments) and ``evaluate(request, device,
+per_rank)`` (run in the parent, returns the ProbeResult). This module knows no probe module.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +36,11 @@ class CpRequest:
     mode: str  # "ulysses", "ring" or "hybrid"
     nproc: int
     options: dict[str, Any] = field(default_factory=dict)
+    #: The probe's job for every rank and its verdict over every rank's result (see the module).
+    rank_job: Callable[[CpRequest], dict[str, Any]] = field(kw_only=True, compare=False, repr=False)
+    evaluate: Callable[[CpRequest, str, list[dict[str, Any]]], ProbeResult] = field(
+        kw_only=True, compare=False, repr=False
+    )
 
 
 def default_cp_nproc(mode: str) -> int:
@@ -48,18 +55,6 @@ def check_cp_nproc(mode: str, nproc: int) -> str | None:
     if mode == "hybrid" and (nproc < 4 or nproc % 2):
         return f"--nproc {nproc}: hybrid needs an even number of processes, at least 4 (2 Ulysses x ring)"
     return None
-
-
-def _module(probe: str):
-    if probe == "cp-equivalence":
-        from . import cp_equivalence
-
-        return cp_equivalence
-    if probe == "vision-attention":
-        from . import vision_attention
-
-        return vision_attention
-    raise ValueError(f"no context-parallel jobs for probe {probe!r}")
 
 
 def run_cp_requests(device: str, requests: list[CpRequest]) -> list[ProbeResult]:
@@ -91,7 +86,7 @@ def run_cp_requests(device: str, requests: list[CpRequest]) -> list[ProbeResult]
         runnable.setdefault(request.nproc, []).append(i)
 
     for nproc, indices in runnable.items():
-        jobs = [_module(requests[i].probe).rank_job(requests[i]) for i in indices]
+        jobs = [requests[i].rank_job(requests[i]) for i in indices]
         start = time.monotonic()
         try:
             per_rank = spawn_rank_jobs(device, nproc, jobs)
@@ -104,7 +99,7 @@ def run_cp_requests(device: str, requests: list[CpRequest]) -> list[ProbeResult]
         for j, i in enumerate(indices):
             request = requests[i]
             ranks = [rank_results[j] for rank_results in per_rank]
-            result = _module(request.probe).evaluate(request, device, ranks)
+            result = request.evaluate(request, device, ranks)
             for case in result.cases:
                 case.setdefault("processes", nproc)
                 case.setdefault("group_wall_s", wall_s)
@@ -124,8 +119,8 @@ def _visible(device: str) -> int | None:
 
 def _run_job(job: dict) -> dict:
     job = dict(job)
-    probe = job.pop("probe")
-    return _module(probe).run_rank_job(**job)
+    run = job.pop("run")
+    return run(**job)
 
 
 def _rank_jobs(_rank: int, jobs: list[dict]) -> list[dict]:

@@ -287,11 +287,13 @@ def vision_cp_request(
     if inject is not None and inject not in INJECTIONS:
         raise ValueError(f"inject {inject!r} is not one of {', '.join(INJECTIONS)}")
     options = {"forward_limit": forward_limit, "gradient_limit": gradient_limit, "inject": inject}
-    return CpRequest(PROBE, mode, nproc or default_cp_nproc(mode), options)
+    return CpRequest(
+        PROBE, mode, nproc or default_cp_nproc(mode), options, rank_job=rank_job, evaluate=evaluate
+    )
 
 
 def rank_job(request: CpRequest) -> dict[str, Any]:
-    return {"probe": PROBE, "mode": request.mode, **request.options}
+    return {"run": run_rank_job, "mode": request.mode, **request.options}
 
 
 def run_rank_job(

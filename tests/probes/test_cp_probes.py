@@ -229,7 +229,8 @@ def test_a_missing_device_skips_with_the_reason(probe):
 
 @pytest.mark.slow
 def test_a_process_group_past_its_time_is_stopped():
+    from magistral_cli.probes.cp_equivalence import run_rank_job
     from magistral_cli.probes.cp_workers import spawn_rank_jobs
 
     with pytest.raises(TimeoutError, match="ran past 0 s"):
-        spawn_rank_jobs("cpu", 2, [{"probe": "cp-equivalence", "mode": "ring"}], timeout_s=0.1)
+        spawn_rank_jobs("cpu", 2, [{"run": run_rank_job, "mode": "ring"}], timeout_s=0.1)
