@@ -19,8 +19,8 @@ whenever position ids restart in a one-row micro-batch without padding, its SDPA
 
 - CPU (and ``eager``, fp32, and CUDA without a varlen kernel): ``torch`` SDPA with a block-diagonal
   causal mask;
-- CUDA, bf16 / fp16: the varlen kernel ``ops.attention.varlen_kernel`` picks, called through
-  ``ops.attention.varlen_attention`` with ``cu_seqlens_q = cu_seqlens_k`` and causal over
+- CUDA, bf16 / fp16: the varlen kernel ``ops.attention_kernels.varlen_kernel`` picks, called through
+  ``ops.attention_kernels.varlen_attention`` with ``cu_seqlens_q = cu_seqlens_k`` and causal over
   ``[total, heads, dim]``: ``flash_attn_varlen_func`` (FlashAttention-3's ``flash_attn_interface``
   when the kernel is ``flash_attention_3``, flash-attn 2) when installed, else torch's own
   ``torch.nn.attention.varlen.varlen_attn`` (no package; sm80+, head dim a multiple of 8 up to 256,
@@ -49,12 +49,13 @@ import torch.nn.functional as F
 
 from magistral_cli.runtime import host_to_device
 
-from .attention import (
+from .attention_kernels import (
     NPU_ATTENTION,
     TORCH_VARLEN,
     VARLEN_KERNEL_NAMES,
     VARLEN_KERNELS,
     device_type_and_index,
+    npu_causal_mask,
     varlen_attention,
     varlen_kernel,
 )
@@ -155,8 +156,6 @@ def _flash(query, key, value, cu_seqlens, max_seqlen, dropout, scaling, version:
 def _npu(query, key, value, ends, dropout, scaling):
     import torch_npu
 
-    from .attention import _npu_causal_mask
-
     batch, heads, length, dim = query.shape
     q, k, v = (
         t.transpose(1, 2).reshape(batch * length, t.shape[1], dim).contiguous() for t in (query, key, value)
@@ -167,7 +166,7 @@ def _npu(query, key, value, ends, dropout, scaling):
         v,
         heads,
         input_layout="TND",
-        atten_mask=_npu_causal_mask(query.device),
+        atten_mask=npu_causal_mask(query.device),
         scale=scaling if scaling is not None else dim**-0.5,
         keep_prob=1.0 - dropout,
         sparse_mode=3,

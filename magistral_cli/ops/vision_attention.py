@@ -6,8 +6,8 @@ stay inside each image. transformers' eager / sdpa path does that with a dense b
 is hundreds of MiB. Here attention sees the per-image sequence lengths instead:
 
 - CPU: ``scaled_dot_product_attention`` per image;
-- CUDA: the varlen kernel ``ops.attention.varlen_kernel`` picks, non-causal, through
-  ``ops.attention.varlen_attention``: FlashAttention-3's ``flash_attn_varlen_func``
+- CUDA: the varlen kernel ``ops.attention_kernels.varlen_kernel`` picks, non-causal, through
+  ``ops.attention_kernels.varlen_attention``: FlashAttention-3's ``flash_attn_varlen_func``
   (``flash_attn_interface``, from flash-attn-3) when installed, else flash-attn's, else torch's own
   ``torch.nn.attention.varlen.varlen_attn`` (no package; sm80+, head dim a multiple of 8 up to 256)
   for images of fewer than ``TORCH_VARLEN_MAX_MEAN_PATCHES`` patches on average, else sdpa per
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from magistral_cli.errors import UserError
-from magistral_cli.ops.attention import (
+from magistral_cli.ops.attention_kernels import (
     TORCH_VARLEN,
     VARLEN_KERNEL_NAMES,
     device_type_and_index,
@@ -78,7 +78,7 @@ def vision_attention_kernel(
     ends: list[int] | tuple[int, ...] | None = None,
 ) -> str:
     """What the tower's attention runs for these inputs: ``npu`` (npu_fusion_attention, bf16 /
-    fp16 on NPU), a CUDA varlen kernel of ``ops.attention.VARLEN_KERNELS`` or ``sdpa`` (per image).
+    fp16 on NPU), a CUDA varlen kernel of ``ops.attention_kernels.VARLEN_KERNELS`` or ``sdpa`` (per image).
     ``ends`` (the images' end offsets) keeps torch's varlen kernel to images of fewer than
     ``TORCH_VARLEN_MAX_MEAN_PATCHES`` patches on average; None: not known (a report).
     ``vision_attention_forward`` decides with this very function."""
@@ -135,7 +135,7 @@ def _sdpa_per_image(query, key, value, ends, dropout, scaling):
 
 
 def _varlen(query, key, value, ends, cu_seq_lens, dropout, scaling, kernel):
-    """The CUDA varlen ``kernel`` (one of ``ops.attention.VARLEN_KERNELS``) over the packed images."""
+    """The CUDA varlen ``kernel`` (one of ``ops.attention_kernels.VARLEN_KERNELS``) over the packed images."""
     if not (isinstance(cu_seq_lens, torch.Tensor) and cu_seq_lens.device == query.device):
         cu_seq_lens = torch.tensor([0, *ends], dtype=torch.int32, device=query.device)
     cu = cu_seq_lens.to(torch.int32)

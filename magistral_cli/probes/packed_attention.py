@@ -9,7 +9,7 @@ layout (neat: several samples a row; plain: one segment a row), the forward outp
 key and value gradients must be within the limits, and changing one sample must leave the other
 samples of its row unchanged in a neat pack (fp32 and bf16). Every case names the path that ran
 (``path``, ``backend``): the varlen kernel ``kernel_path`` reports must be the one that was
-called (``ops.attention.record_varlen_kernels``). A device that is not here is a SKIP.
+called (``ops.attention_kernels.record_varlen_kernels``). A device that is not here is a SKIP.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def run_packed_attention_probe(
     import torch
 
     from magistral_cli.ops import packed_attention as pa
-    from magistral_cli.ops.attention import VARLEN_KERNELS, record_varlen_kernels
+    from magistral_cli.ops.attention_kernels import VARLEN_KERNELS, record_varlen_kernels
     from magistral_cli.probes.common import relative_l2
 
     if device == "npu":

@@ -7,7 +7,7 @@ For one image, two equal images and two images of different sizes, in bf16:
 - the backend really ran, once per layer, with exactly the per-image boundaries, and the kernel
   the probe reports (``vision_attention_kernel`` for the tower's dtype, head dim and dropout: on
   CUDA FlashAttention-3, flash-attn or torch's ``varlen_attn``, else sdpa per image) is the one that
-  ran: every layer's varlen call is recorded (``ops.attention.record_varlen_kernels``);
+  ran: every layer's varlen call is recorded (``ops.attention_kernels.record_varlen_kernels``);
 - isolation: the first image's outputs have zero gradient with respect to the other images'
   pixels and stay bit-identical when those pixels change.
 
@@ -88,7 +88,7 @@ def _check_case(
 ) -> dict[str, Any]:
     import torch
 
-    from magistral_cli.ops.attention import VARLEN_KERNELS, record_varlen_kernels
+    from magistral_cli.ops.attention_kernels import VARLEN_KERNELS, record_varlen_kernels
 
     device = next(tower.parameters()).device
     parameters = tuple(tower.parameters())

@@ -15,8 +15,9 @@ import pytest
 from transformers.modeling_flash_attention_utils import FLASH_ATTENTION_COMPATIBILITY_MATRIX
 from transformers.utils import import_utils
 
-from magistral_cli.ops import attention
-from magistral_cli.ops.attention import flash_attention_available, resolve_attention
+from magistral_cli.ops import attention_kernels as kernels
+from magistral_cli.ops.attention import resolve_attention
+from magistral_cli.ops.attention_kernels import flash_attention_available
 from magistral_cli.ops.vision_attention import vision_attention_backend
 
 _patch = None
@@ -45,7 +46,7 @@ def site(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     # These cases are about the flash-attn packages; on a CUDA machine torch's own varlen kernel
     # would answer where they are absent (tests/ops/test_torch_varlen.py covers that choice).
-    monkeypatch.setattr(attention, "torch_varlen_api", lambda *a, **k: None)
+    monkeypatch.setattr(kernels, "torch_varlen_api", lambda *a, **k: None)
 
     def clear():
         _clear_detection_caches(monkeypatch)

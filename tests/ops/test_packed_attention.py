@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from magistral_cli.ops import packed_attention as pa
-from magistral_cli.ops.attention import NPU_ATTENTION, resolve_attention
+from magistral_cli.ops.attention import resolve_attention
+from magistral_cli.ops.attention_kernels import NPU_ATTENTION
 
 pytestmark = pytest.mark.compat
 

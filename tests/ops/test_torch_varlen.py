@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from magistral_cli.ops import attention
+from magistral_cli.ops import attention_kernels as kernels
 from magistral_cli.ops import packed_attention as pa
 from magistral_cli.ops import vision_attention as va
-from magistral_cli.ops.attention import (
+from magistral_cli.ops.attention_kernels import (
     TORCH_VARLEN,
     VARLEN_KERNEL_NAMES,
     read_varlen_signature,
@@ -124,7 +124,7 @@ def stand_in(request, monkeypatch):
     fake = StandIn(request.param)
     api = read_varlen_signature(fake.function)
     assert api is not None
-    monkeypatch.setattr(attention, "torch_varlen_api", lambda: api)
+    monkeypatch.setattr(kernels, "torch_varlen_api", lambda: api)
     return fake
 
 
@@ -147,11 +147,11 @@ def test_the_installed_torch_has_the_keyword_form():
     api = read_varlen_signature(varlen_attn)
     assert api is not None and api.causal == "window_size"
     assert api.gqa == ("enable_gqa" in inspect.signature(varlen_attn).parameters)
-    attention.torch_varlen_api.cache_clear()
+    kernels.torch_varlen_api.cache_clear()
     try:
-        assert attention.torch_varlen_api() == api
+        assert kernels.torch_varlen_api() == api
     finally:
-        attention.torch_varlen_api.cache_clear()
+        kernels.torch_varlen_api.cache_clear()
 
 
 def test_each_shipped_signature_is_read_and_unknown_ones_are_not():
@@ -180,12 +180,12 @@ def test_a_torch_without_varlen_attn_has_none(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", None)  # ImportError on import
-    attention.torch_varlen_api.cache_clear()
+    kernels.torch_varlen_api.cache_clear()
     try:
-        assert attention.torch_varlen_api() is None
+        assert kernels.torch_varlen_api() is None
     finally:
         monkeypatch.undo()
-        attention.torch_varlen_api.cache_clear()
+        kernels.torch_varlen_api.cache_clear()
 
 
 # ----------------------------------------------------------------------------- the choice
@@ -195,9 +195,9 @@ def test_a_torch_without_varlen_attn_has_none(monkeypatch):
 def cuda_here(monkeypatch):
     """What varlen_kernel sees on a CUDA machine; tests set what is installed."""
     available = {2: False, 3: False, "torch": True, "sm80": True}
-    monkeypatch.setattr(attention, "flash_attention_available", lambda version: available[version])
-    monkeypatch.setattr(attention, "torch_varlen_api", lambda: object() if available["torch"] else None)
-    monkeypatch.setattr(attention, "_torch_varlen_runs_on", lambda index: available["sm80"])
+    monkeypatch.setattr(kernels, "flash_attention_available", lambda version: available[version])
+    monkeypatch.setattr(kernels, "torch_varlen_api", lambda: object() if available["torch"] else None)
+    monkeypatch.setattr(kernels, "_torch_varlen_runs_on", lambda index: available["sm80"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     return available

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from magistral_cli.ops import attention
+from magistral_cli.ops import attention_kernels as kernels
 from magistral_cli.ops import packed_attention as pa
 from magistral_cli.ops import vision_attention as va
-from magistral_cli.ops.attention import TORCH_VARLEN, read_varlen_signature
+from magistral_cli.ops.attention_kernels import TORCH_VARLEN, read_varlen_signature
 from magistral_cli.probes.packed_attention import run_packed_attention_probe
 from magistral_cli.probes.vision_attention import run_vision_attention_probe
 from tests.ops.test_torch_varlen import StandIn
@@ -23,7 +23,7 @@ NAME = "torch.nn.attention.varlen.varlen_attn"
 def _torch_varlen(monkeypatch, *, mixes_segments: bool = False) -> StandIn:
     fake = StandIn("2.13", mixes_segments=mixes_segments)
     api = read_varlen_signature(fake.function)
-    monkeypatch.setattr(attention, "torch_varlen_api", lambda: api)
+    monkeypatch.setattr(kernels, "torch_varlen_api", lambda: api)
 
     def pick(device, dtype, head_dim, dropout=0.0, *, first="flash_attention_3"):
         return TORCH_VARLEN if dtype in (torch.float16, torch.bfloat16) and dropout == 0.0 else None
