@@ -11,6 +11,10 @@ recipes (``config/``; the package table). Every ``import`` and ``from ... import
 source with ``ast`` (relative ones resolved), wherever it is: module level, inside functions,
 under ``if TYPE_CHECKING:``. A new top-level module or package fails here until ``LAYERS`` places it.
 
+Within one package the modules import each other one way only: an import cycle among siblings
+(``data/loader -> data/pipeline -> data/report -> data/loader``), counted over the same imports,
+fails too; the shared piece belongs in the lower module or a small module of its own.
+
 That importing the CLI loads neither torch nor transformers (``magistral --help``) is checked in
 tests/cli/test_main.py.
 """
@@ -155,6 +159,64 @@ def _violations(root: Path = PACKAGE) -> tuple[list[str], set[tuple[str, str]]]:
     return problems, used
 
 
+def _sibling_imports(root: Path = PACKAGE) -> dict[str, dict[str, int]]:
+    """module -> {sibling it imports (same package): first line}, for every module under ``root``."""
+    graph: dict[str, dict[str, int]] = {}
+    for path in _modules(root):
+        importer = _module_name(path, root)
+        package = importer.rpartition(".")[0]
+        edges = graph.setdefault(importer, {})
+        for line, imported in _imports(path, root):
+            if imported != importer and imported.rpartition(".")[0] == package:
+                edges.setdefault(imported, line)
+    return graph
+
+
+def _sibling_cycles(root: Path = PACKAGE) -> list[str]:
+    """One line per import cycle among the modules of one package: each group of siblings that
+    reach each other by imports (a strongly connected component), with its imports and lines."""
+    graph = _sibling_imports(root)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's algorithm; the graphs are small
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in graph.get(module, {}):
+            if target not in graph:
+                continue
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == module:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    lines = []
+    for group in sorted(groups):
+        arrows = [
+            f"{importer.rpartition('.')[2]}:{line} -> {imported.rpartition('.')[2]}"
+            for importer in group
+            for imported, line in sorted(graph[importer].items())
+            if imported in group
+        ]
+        lines.append(f"{group[0].rpartition('.')[0]}: " + ", ".join(arrows))
+    return lines
+
+
 def test_no_module_imports_up_the_chain():
     problems, used = _violations()
     assert not problems, "layering violations (DESIGN.md, Layers):\n  " + "\n  ".join(problems)
@@ -162,6 +224,36 @@ def test_no_module_imports_up_the_chain():
     assert not stale, (
         f"ALLOWED entries whose import is gone (remove them from tests/test_layering.py): {stale}"
     )
+
+
+def test_no_import_cycle_among_sibling_modules():
+    cycles = _sibling_cycles()
+    assert not cycles, (
+        "import cycles among the modules of one package (move the shared piece into the lower "
+        "module or a small module of its own):\n  " + "\n  ".join(cycles)
+    )
+
+
+def test_the_cycle_checker_sees_lazy_and_relative_imports(tmp_path):
+    """A synthetic package: a cycle closed by an import inside a function is found; a one-way
+    chain, and imports of the package itself or of another package, are not cycles."""
+    root = tmp_path / "magistral_cli"
+    files = {
+        "__init__.py": "",
+        "errors.py": "from magistral_cli.data import a\n",
+        "data/__init__.py": "from . import a\n",
+        "data/a.py": "from .b import f\nfrom magistral_cli import errors\n",
+        "data/b.py": "def f():\n    from magistral_cli.data.c import g\n",
+        "data/c.py": "from . import a\n",
+        "data/d.py": "from .a import x\nfrom magistral_cli import data\n",
+        "ops/__init__.py": "",
+        "ops/x.py": "from . import y\n",
+        "ops/y.py": "",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text, encoding="utf-8")
+    assert _sibling_cycles(root) == ["magistral_cli.data: a:1 -> b, b:2 -> c, c:1 -> a"]
 
 
 def test_the_checker_finds_each_kind_of_violation(tmp_path):
