@@ -43,7 +43,7 @@ from magistral_cli.ops.context_parallel.model import (
     remove_context_parallel,
     shift_labels,
 )
-from magistral_cli.runtime import device_module, device_type_of_backend, parse_dtype, spawn_ranks
+from magistral_cli.runtime import DTYPES, device_module, device_type_of_backend, parse_dtype, spawn_ranks
 from magistral_cli.runtime.distributed import run_jobs
 
 from .common import relative_l2
@@ -217,26 +217,15 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _shard_like_the_trainer(model, meshes, dtype) -> list:
-    """FSDP2 over ``dp x cp``: vision tower, projector, embeddings, each decoder layer, the
-    language model, lm_head, then the root; ``param_dtype=dtype``, fp32 reduction."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
+    """FSDP2 over ``dp x cp`` as the trainer shards: ``engine.parallelize.apply_fsdp`` with the
+    recipe's default units (``parallel.fsdp_plan``), ``param_dtype=dtype``, fp32 reduction."""
+    from magistral_cli.config.schema import FSDPPlan
     from magistral_cli.engine.model import output_capture_survives_wrapping
+    from magistral_cli.engine.parallelize import apply_fsdp
 
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    inner = model.model
-    units = [
-        inner.vision_tower,
-        inner.multi_modal_projector,
-        inner.language_model.embed_tokens,
-        *inner.language_model.layers,
-        inner.language_model,
-        model.lm_head,
-    ]
+    plan = FSDPPlan(param_dtype=next(name for name, d in DTYPES.items() if d == dtype), reduce_dtype="fp32")
     with output_capture_survives_wrapping(model):
-        for unit in [*units, model]:
-            fully_shard(unit, mesh=meshes.dp_cp, mp_policy=policy)
-    return [*units, model]
+        return apply_fsdp(model, meshes.dp_cp, plan)
 
 
 def run_cp_equivalence(
