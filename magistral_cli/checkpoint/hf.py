@@ -40,10 +40,6 @@ class HFWeights:
     def total_bytes(self) -> int:
         return sum(s.nbytes for specs in self.files.values() for s in specs)
 
-    @property
-    def largest_file_bytes(self) -> int:
-        return max((sum(s.nbytes for s in specs) for specs in self.files.values()), default=0)
-
 
 def require_model_dir(model_dir: str | Path) -> Path:
     """``model_dir`` as a Path, after checking it is a directory with config.json."""

@@ -54,11 +54,6 @@ def fused_unavailable_reason(device: torch.device | str, dtype: torch.dtype = to
     return _fused_probe_cache[key]
 
 
-def fused_available(device_type: str, dtype: torch.dtype = torch.float32) -> bool:
-    """Whether a fused AdamW step really runs on ``device_type`` for ``dtype`` (fused_unavailable_reason)."""
-    return fused_unavailable_reason(device_type, dtype) is None
-
-
 def adamw_implementation(
     training: Training, device: torch.device | str, dtypes: tuple[torch.dtype, ...] = (torch.float32,)
 ) -> tuple[str, str]:
