@@ -246,34 +246,6 @@ def apply_prefetch(model: nn.Module, plan: FSDPPlan) -> int:
     return count
 
 
-def held_gradient_bytes(model: nn.Module) -> dict[str, int]:
-    """The gradient bytes this rank holds now, read from FSDP2's parameters.
-
-    ``sharded``: the local gradient shards (what the optimizer steps on). ``unsharded``: full
-    gradients FSDP2 keeps between backwards when the reduce-scatter is deferred
-    (``set_requires_gradient_sync(False)``): the unsharded parameters' ``.grad`` and the
-    accumulated unsharded gradients.
-    """
-    sharded = unsharded = 0
-    groups = []
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
-            if group is not None and all(group is not g for g in groups):
-                groups.append(group)
-    for group in groups:
-        for fsdp_param in group.fsdp_params:
-            grad = fsdp_param.sharded_param.grad
-            if grad is not None:
-                local = grad.to_local() if hasattr(grad, "to_local") else grad
-                sharded += local.numel() * local.element_size()
-            full = getattr(fsdp_param, "_unsharded_param", None)
-            for held in (full.grad if full is not None else None, fsdp_param.unsharded_accumulated_grad):
-                if held is not None:
-                    unsharded += held.numel() * held.element_size()
-    return {"sharded": sharded, "unsharded": unsharded}
-
-
 @dataclass
 class ParallelizedModel:
     """What :func:`parallelize_model` did, for the trainer's log and record."""

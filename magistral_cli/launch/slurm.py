@@ -62,12 +62,6 @@ class SlurmPlan:
     procs_per_node: int
     warnings: list[str] = field(default_factory=list)
 
-    @property
-    def torchrun_line(self) -> str:
-        """The script's ``srun ...`` line (the one command the job runs on every node)."""
-        (line,) = [line for line in self.text.splitlines() if line.startswith("srun ")]
-        return line
-
     def to_json(self, job_id: str | None = None) -> dict[str, Any]:
         return {
             "run_dir": str(self.launch.run_dir),

@@ -13,9 +13,8 @@ Mixed precision follows FSDP2's ``MixedPrecisionPolicy(param_dtype=dtype, reduce
 fp32 master weights, a ``dtype`` compute copy, fp32 gradients and fp32 SGD updates.
 
 :func:`run_attention_equivalence` checks the attention alone against full causal SDPA, and
-:func:`run_vision_guard_check` that the communication guard bites. :func:`spawn_cp_jobs` runs
-a list of these jobs on ``world_size`` fresh rank processes (``runtime.spawn_ranks``: gloo on
-the CPU, NCCL / HCCL on one device per rank) and returns every rank's results (the tests).
+:func:`run_vision_guard_check` that the communication guard bites. The tests run them on fresh
+rank processes (tests/ops/test_context_parallel.py), the probe through ``probes.cp_workers``.
 """
 
 from __future__ import annotations
@@ -43,8 +42,7 @@ from magistral_cli.ops.context_parallel.model import (
     remove_context_parallel,
     shift_labels,
 )
-from magistral_cli.runtime import DTYPES, device_module, device_type_of_backend, parse_dtype, spawn_ranks
-from magistral_cli.runtime.distributed import run_jobs
+from magistral_cli.runtime import DTYPES, device_module, device_type_of_backend, parse_dtype
 
 from .common import relative_l2
 
@@ -395,31 +393,3 @@ def run_vision_guard_check(mode: str = "ulysses") -> dict:
     except ContextParallelError as error:
         result["vision_error"] = str(error)
     return result
-
-
-# --------------------------------------------------------------------------- rank processes
-
-
-_JOBS = {"attention": run_attention_equivalence, "model": run_cp_equivalence, "guard": run_vision_guard_check}
-
-
-def run_cp_job(job: dict) -> dict:
-    """One job, ``{"kind": "attention" | "model" | "guard", **kwargs}``, on this rank."""
-    job = dict(job)
-    kind = job.pop("kind")
-    if kind not in _JOBS:
-        raise ValueError(f"unknown job kind {kind!r}")
-    return _JOBS[kind](**job)
-
-
-def _rank_jobs(_rank: int, jobs: list[dict]) -> list[dict]:
-    return run_jobs(run_cp_job, jobs)
-
-
-def spawn_cp_jobs(
-    world_size: int, jobs: list[dict], *, device: str = "cpu", timeout_s: float | None = None
-) -> list[list[dict]]:
-    """Run ``jobs`` (see :func:`run_cp_job`) on ``world_size`` fresh rank processes; every rank's
-    list of results. A job that raises gives ``{"error", "where"}`` in its place (the others
-    still run); a rank that dies raises ``runtime.distributed.RankFailure``."""
-    return spawn_ranks(_rank_jobs, world_size, (jobs,), device=device, timeout_s=timeout_s, threads=1)

@@ -132,6 +132,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _torchrun_line(text: str) -> str:
+    """The script's ``srun ...`` line (the one command the job runs on every node)."""
+    (line,) = [line for line in text.splitlines() if line.startswith("srun ")]
+    return line
+
+
 @pytest.mark.slow
 def test_the_scripts_torchrun_line_trains_the_tiny_recipe_on_the_cpu(tmp_path, monkeypatch):
     """The script as the job's first node runs it, with srun's one task and SLURM's variables
@@ -156,7 +162,7 @@ def test_the_scripts_torchrun_line_trains_the_tiny_recipe_on_the_cpu(tmp_path, m
     plan = plan_slurm(TINY, overrides, SlurmOptions(nodes=1, gpus_per_node=2))
     text = plan.text
     assert "#SBATCH --gpus-per-node" not in text and "preprocess" not in text  # CPU, synthetic data
-    srun = plan.torchrun_line
+    srun = _torchrun_line(plan.text)
     assert srun.startswith(f"srun --kill-on-bad-exit=1 {PY} -m torch.distributed.run ")
     assert ' --nnodes "$SLURM_NNODES" --nproc-per-node 2 --rdzv-backend c10d ' in srun
     # Run the script itself: srun's task is this process, MASTER_ADDR what scontrol would print.

@@ -69,9 +69,44 @@ FOUR = {
 }
 
 
-def _run(world_size: int, jobs: dict) -> dict:
-    from magistral_cli.probes.cp_harness import spawn_cp_jobs
+def run_cp_job(job: dict) -> dict:
+    """One job, ``{"kind": "attention" | "model" | "guard", **kwargs}``, on this rank."""
+    from magistral_cli.probes.cp_harness import (
+        run_attention_equivalence,
+        run_cp_equivalence,
+        run_vision_guard_check,
+    )
 
+    kinds = {
+        "attention": run_attention_equivalence,
+        "model": run_cp_equivalence,
+        "guard": run_vision_guard_check,
+    }
+    job = dict(job)
+    kind = job.pop("kind")
+    if kind not in kinds:
+        raise ValueError(f"unknown job kind {kind!r}")
+    return kinds[kind](**job)
+
+
+def _rank_jobs(_rank: int, jobs: list[dict]) -> list[dict]:
+    from magistral_cli.runtime.distributed import run_jobs
+
+    return run_jobs(run_cp_job, jobs)
+
+
+def spawn_cp_jobs(
+    world_size: int, jobs: list[dict], *, device: str = "cpu", timeout_s: float | None = None
+) -> list[list[dict]]:
+    """Run ``jobs`` (see :func:`run_cp_job`) on ``world_size`` fresh rank processes; every rank's
+    list of results. A job that raises gives ``{"error", "where"}`` in its place (the others
+    still run); a rank that dies raises ``runtime.distributed.RankFailure``."""
+    from magistral_cli.runtime import spawn_ranks
+
+    return spawn_ranks(_rank_jobs, world_size, (jobs,), device=device, timeout_s=timeout_s, threads=1)
+
+
+def _run(world_size: int, jobs: dict) -> dict:
     per_rank = spawn_cp_jobs(world_size, list(jobs.values()))
     results = {}
     for i, name in enumerate(jobs):
