@@ -24,16 +24,40 @@ RESOLVED_CONFIG = "resolved_config.yaml"
 IDENTITY_NAME = "run_identity.json"
 
 
-def write_json(path: Path, obj: Any) -> None:
-    """Write JSON through a temporary file and a rename, so readers never see half a file."""
-    text = json.dumps(obj, indent=2) + "\n"  # before the temporary file: a bad value leaves nothing behind
+def write_text_atomic(path: Path, text: str, *, fsync: bool = False) -> None:
+    """``text`` into ``path`` through a temporary file next to it and a rename, so readers never
+    see half a file; the file gets a new file's mode (the umask's). ``fsync``: the bytes reach the
+    disk before the rename. A failure (a full disk) leaves the old file and no temporary, and
+    raises an ``OSError`` naming ``path``."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(text, encoding="utf-8")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as exc:
-        # A full disk (or a read-only one): no temporary file left behind, one message.
         tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, obj: Any, *, fsync: bool = False, check_failed: bool = True) -> None:
+    """Write JSON (indented by 2, one final newline) atomically (``write_text_atomic``).
+
+    A failure is a ``CheckFailed`` naming ``path`` (free space); ``check_failed=False`` raises the
+    ``OSError`` naming it instead, for callers that report OS errors their own way.
+    """
+    text = json.dumps(obj, indent=2) + "\n"  # before the temporary file: a bad value leaves nothing behind
+    try:
+        write_text_atomic(path, text, fsync=fsync)
+    except OSError as exc:
+        if not check_failed:
+            raise
+        # A full disk (or a read-only one): no temporary file left behind, one message.
         raise CheckFailed(f"cannot write {path}: {exc.strerror or exc}; free space on that disk") from None
 
 

@@ -16,14 +16,12 @@ a manifest. ``magistral_cli.launch.identity`` reads it for ``run_identity.json``
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from magistral_cli.checkpoint.staging import current_umask
 from magistral_cli.errors import UserError
+from magistral_cli.run_record import write_json
 
 MANIFEST_NAME = "magistral-manifest.json"
 MANIFEST_FORMAT = 1
@@ -83,16 +81,5 @@ def write_manifest(model_dir: str | Path, entries: dict[str, ManifestEntry]) -> 
         "format": MANIFEST_FORMAT,
         "files": [asdict(entries[name]) for name in sorted(entries)],
     }
-    fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST_NAME}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(payload, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp's file is private: a new file's mode instead
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_json(path, payload, fsync=True, check_failed=False)
     return path

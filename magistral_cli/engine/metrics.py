@@ -15,6 +15,7 @@ from typing import Any
 
 from magistral_cli.data.collator import sequence_lengths
 from magistral_cli.model_config import training_flops
+from magistral_cli.run_record import write_json, write_text_atomic
 from magistral_cli.runtime import device_module, device_peak_tflops
 
 log = logging.getLogger(__name__)
@@ -98,18 +99,6 @@ def _resumed_step(line: str) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """``text`` into ``path`` through a temporary file and a rename: a failure (a full disk)
-    leaves the old file and no temporary, and names ``path``."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise OSError(exc.errno, exc.strerror, str(path)) from None
-
-
 class MetricsFile:
     """Append-only ``metrics.jsonl`` (rank 0), and the ``tools.logger`` sinks that get each line.
 
@@ -140,9 +129,9 @@ class MetricsFile:
                 (kept if step is not None and step <= resume_step else aside).append(line)
             if aside:
                 moved_aside = self._aside_path(resume_step)
-                _write_atomic(moved_aside, "".join(a + "\n" for a in aside))
+                write_text_atomic(moved_aside, "".join(a + "\n" for a in aside))
                 try:
-                    _write_atomic(path, "".join(k + "\n" for k in kept))
+                    write_text_atomic(path, "".join(k + "\n" for k in kept))
                 except OSError:
                     moved_aside.unlink(missing_ok=True)  # metrics.jsonl is unchanged: no copy aside
                     raise
@@ -202,7 +191,7 @@ def write_summary(path: Path, *, steps: int, wall_s: float, exit_status: int, **
     """``summary.json``, written whole or not at all (a failure names the file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"steps": steps, "wall_s": round(wall_s, 3), "exit_status": exit_status, **extra}
-    _write_atomic(path, json.dumps(record, indent=2) + "\n")
+    write_json(path, record, check_failed=False)
 
 
 def _loss_text(loss: float | None) -> str:
