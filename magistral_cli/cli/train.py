@@ -143,10 +143,11 @@ def train(
         restart_data=restart_data,
     )
     from .output import rows_progress
+    from .train_render import render_launch_plan
 
     with rows_progress() as progress:  # the dataset encoding before a real launch, if any
         plan = plan_launch(recipe, list(overrides or []), options, progress=progress)
-    plan.render(console)
+    render_launch_plan(plan, console)
     if json_out:
         emit_json(plan.to_json())
     if dry_run:
