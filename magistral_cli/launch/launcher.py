@@ -27,14 +27,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from magistral_cli.config import check_world_size, load_recipe, recipe_to_yaml
+from magistral_cli.config import load_recipe, recipe_to_yaml
 from magistral_cli.config.schema import Recipe
-from magistral_cli.errors import UserError
 from magistral_cli.run_record import RESOLVED_CONFIG, RESUME_KEY
 from magistral_cli.versions import check_supported_versions
 
-from .device import device_defaults, merge_env, resolve_device
-from .identity import build_identity, write_json
+from . import preflight
+from .device import device_defaults, merge_env
+from .identity import write_json
 
 #: The module torchrun starts on every rank.
 ENGINE_MODULE = "magistral_cli.engine.run"
@@ -80,7 +80,7 @@ class LaunchPlan:
     memory: Any = None
     #: The run directory's lock (``run_lock.RunLock``), held from planning to the job's end.
     lock: Any = None
-    #: The padding estimate (``padding_section``): the dataset's cache entry, a note, the estimate.
+    #: The padding estimate (``preflight.padding_section``): the dataset's cache entry, a note, the estimate.
     padding: dict[str, Any] | None = None
     #: The run's id (kept across its launches; a checkpoint directory records its owner's).
     run_id: str | None = None
@@ -116,198 +116,9 @@ class LaunchPlan:
         }
 
 
-def padding_section(recipe: Recipe, world_size: int, dataset=None, *, hint: str = "") -> dict[str, Any]:
-    """How much of the recipe's micro-batches is padding, without and with packing.
-
-    From the dataset's cache entry: ``dataset`` (a real launch has just prepared it) or, for a
-    dry run, the entry if it already exists (``data.pipeline.find_cached_dataset``: nothing is
-    encoded). The estimate (``data.packing.estimate_padding``) reads the preprocess report's
-    ``length_histogram``, or the entry's sample lengths when an older report lacks it. Returns
-    ``{"cache_entry", "note", "estimate"}``: ``estimate`` None and a one-line ``note`` when there
-    is nothing to estimate from; ``hint`` is the preprocess command to suggest then.
-    """
-    basic = recipe.data.dataset_param.basic_parameters
-    out: dict[str, Any] = {"cache_entry": None, "note": None, "estimate": None}
-    if recipe.data.dataset_param.dataset_type == "synthetic":
-        out["note"] = "synthetic data: no dataset to estimate the padding from"
-        return out
-    from magistral_cli.data.packing import estimate_padding
-
-    try:
-        if dataset is None:
-            from magistral_cli.data.pipeline import find_cached_dataset
-
-            dataset = find_cached_dataset(recipe)
-        if dataset is None:
-            command = hint or "magistral preprocess RECIPE"
-            out["note"] = f"no cache entry for this dataset yet: run `{command}` first for a padding estimate"
-            return out
-        out["cache_entry"] = str(dataset.path)
-        histogram = dataset.report.get("length_histogram")
-        if histogram is not None:
-            source, estimates = (
-                "report histogram",
-                estimate_padding(basic.cutoff_len, recipe.training.micro_batch_size, histogram=histogram),
-            )
-        else:  # an entry written before the report had a histogram: its offsets.npy is as good
-            source, estimates = (
-                "sample lengths",
-                estimate_padding(basic.cutoff_len, recipe.training.micro_batch_size, lengths=dataset.lengths),
-            )
-    except (UserError, OSError, ValueError, KeyError) as exc:
-        out["note"] = f"no padding estimate: {exc}"
-        return out
-    dp = max(1, world_size // recipe.parallel.cp_size)
-    per_step = recipe.training.micro_batch_size * dp * recipe.training.gradient_accumulation_steps
-    modes = {}
-    for name, e in estimates.items():
-        modes[name] = {
-            "rows": e.rows,
-            "micro_batches_per_epoch": e.micro_batches,
-            "steps_per_epoch": e.rows // per_step,
-            "real_fraction": None if e.real_fraction is None else round(e.real_fraction, 4),
-            "real_tokens_per_micro_batch": round(e.real_tokens, 1),
-            "padded_tokens_per_micro_batch": round(e.padded_tokens, 1),
-        }
-    used = "neat_packing" if basic.neat_packing else "packing" if basic.packing else "none"
-    out["estimate"] = {
-        "source": source,
-        "samples": estimates["none"].rows,
-        "cutoff_len": basic.cutoff_len,
-        "micro_batch_size": recipe.training.micro_batch_size,
-        "recipe_mode": used,
-        "modes": modes,
-    }
-    if basic.val_size:
-        out["note"] = "over every kept sample: the val_size split is not taken out"
-    return out
-
-
-def _memory_plan(
-    recipe: Recipe,
-    device: str,
-    world_size: int,
-    nproc: int,
-    detected: bool,
-    warnings: list[str],
-    required: bool = False,
-):
-    """The memory plan, or None (with a warning) when the model's config.json is not here.
-
-    A dry run (often made on another machine) may lack the config; a launch (``required``) may
-    not. A config that is there but unreadable, or a module pattern that matches nothing, is the
-    user's error (UserError) like any other bad input.
-    """
-    model_dir = recipe.model.model_name_or_path
-    if not model_dir or not (Path(model_dir) / "config.json").is_file():
-        if required:
-            raise UserError(
-                f"model.model_name_or_path {model_dir} holds no config.json; point it at the model directory "
-                "(magistral fetch writes one)"
-            )
-        warnings.append(
-            f"no memory plan: model.model_name_or_path {model_dir} holds no config.json "
-            "(magistral fetch --no-weights writes one)"
-        )
-        return None
-    from magistral_cli.engine.memory_plan import plan_recipe
-    from magistral_cli.model_config import read_model_config
-    from magistral_cli.ops.context_parallel import check_cp_model
-
-    # The rules that need the model's config, as the ranks check them: Ulysses splits the heads.
-    config = read_model_config(
-        model_dir, trust_remote_code=recipe.model.trust_remote_code, what="model.model_name_or_path"
-    )
-    check_cp_model(config.text_config, recipe.parallel.ulysses_parallel_size)
-    plan = plan_recipe(recipe, device=device, world_size=world_size, nproc_per_node=nproc, detected=detected)
-    warnings.extend(plan.warnings)
-    return plan
-
-
-def checkpoint_bytes(recipe: Recipe, memory) -> int:
-    """The size of one training checkpoint: fp32 parameters, AdamW's two fp32 moments (unless
-    ``no_save_optim``); the RNG and data-loader entries are a few KiB. A LoRA checkpoint holds
-    the trainable tensors only (the plan's ``checkpointed`` count), not the frozen base."""
-    counts = memory.parameters
-    size = 4 * counts.get("checkpointed", counts["total"])
-    if not recipe.training.no_save_optim:
-        size += 8 * counts["trainable"]
-    return size
-
-
-def planned_saves(training) -> int:
-    """How many checkpoints a whole run writes: every ``save_interval`` steps and at the end."""
-    if not training.save_interval:
-        return 0
-    return training.train_iters // training.save_interval + (
-        1 if training.train_iters % training.save_interval else 0
-    )
-
-
-def _check_save_dir(
-    recipe: Recipe, save_dir: Path, memory, warnings: list[str], options: LaunchOptions
-) -> None:
-    """Stale temporaries removed, writable, room for the saves."""
-    import shutil
-
-    from magistral_cli.engine import checkpoint as ckpt
-
-    training = recipe.training
-    if options.dry_run or options.node_rank != 0:
-        return
-    for stale in ckpt.remove_stale_temporaries(save_dir):
-        warnings.append(f"removed {stale}, left by an interrupted checkpoint save")
-    probe_dir = save_dir
-    while not probe_dir.exists():
-        probe_dir = probe_dir.parent
-    if not os.access(probe_dir, os.W_OK | os.X_OK):
-        raise UserError(
-            f"{probe_dir} is not writable; set training.output_dir (or training.save) to a writable place"
-        )
-    saves = max(planned_saves(training) - len(ckpt.list_checkpoints(save_dir)), 0)
-    if memory is None or not saves:
-        return
-    need = saves * checkpoint_bytes(recipe, memory)
-    free = shutil.disk_usage(probe_dir).free
-    if need > free:
-        raise UserError(
-            f"{probe_dir} has {_size(free)} free, but the run will write {saves} checkpoint(s) of "
-            f"{_size(need // saves)} ({_size(need)}); free space, point training.save at a larger disk, "
-            "or save less often (training.save_interval, training.no_save_optim)"
-        )
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
-
-
 def _default_run_dir(recipe_path: Path) -> Path:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{recipe_path.stem}-{stamp}"
-
-
-def _check_paths(recipe: Recipe, warnings: list[str], dry_run: bool) -> None:
-    """Missing inputs stop a real launch; a dry run (often made on another machine) only warns."""
-    basic = recipe.data.dataset_param.basic_parameters
-    checks = [
-        ("model.model_name_or_path", recipe.model.model_name_or_path, "is_dir"),
-        ("training.load", recipe.training.load, "exists"),
-    ]
-    if recipe.data.dataset_param.dataset_type != "synthetic":
-        checks.append(("data.dataset_param.basic_parameters.dataset", basic.dataset, "is_file"))
-    problems = []
-    for key, value, kind in checks:
-        if value and not getattr(Path(value), kind)():
-            problems.append(f"{key} points to {value}, which does not exist")
-    if not problems:
-        return
-    if dry_run:
-        warnings.extend(problems)
-        return
-    raise UserError(
-        "; ".join(problems) + ". Fix the path in the recipe or override it (for example "
-        "model.model_name_or_path=/path/to/Magistral-Small-2509)."
-    )
 
 
 def build_command(plan_args: LaunchOptions, nproc: int, run_dir: Path) -> list[str]:
@@ -344,39 +155,10 @@ def plan_launch(
     recipe = load_recipe(recipe_path, overrides)
     warnings: list[str] = []
     check_supported_versions()  # before the meta model is built with transformers
-
-    if options.nnodes > 1 and options.master_addr is None:
-        raise UserError("--nnodes > 1 needs --master-addr (the address of the node with --node-rank 0)")
-    if options.node_rank >= options.nnodes:
-        raise UserError(f"--node-rank {options.node_rank} must be smaller than --nnodes {options.nnodes}")
-    if options.nnodes > 1 and recipe.training.output_dir is None:
-        raise UserError(
-            "a multi-node run needs training.output_dir=<a path every node sees>, so all nodes write one run directory"
-        )
-
-    device, count, warning = resolve_device(recipe.parallel.device)
-    if warning:
-        if not options.dry_run:
-            raise UserError(warning + "; set parallel.device=auto or run on a machine with that device")
-        warnings.append(warning)
-    nproc = options.nproc_per_node or recipe.parallel.nproc_per_node or count or 1
-    if device in ("cuda", "npu") and count is not None and nproc > count:
-        message = f"{nproc} processes per node but only {count} {device} device(s) are visible"
-        if not options.dry_run:
-            raise UserError(message + "; lower --nproc-per-node")
-        warnings.append(message)
+    preflight.check_options(recipe, options)
+    device, nproc, detected = preflight.resolve_processes(recipe, recipe_path, options, warnings)
     world_size = nproc * options.nnodes
-    try:
-        check_world_size(recipe, world_size)
-    except ValueError as exc:
-        raise UserError(f"recipe {recipe_path}: {exc}") from None
-    _check_paths(recipe, warnings, options.dry_run)
-    from magistral_cli.engine.lora import refuse_lora_checkpoint_as_load
-
-    refuse_lora_checkpoint_as_load(recipe.training.load, recipe.training.load_format)
-    from magistral_cli.engine.loggers import check_logger_available
-
-    check_logger_available(recipe)  # tools.logger's package, before any rank starts
+    preflight.check_inputs(recipe, warnings, options.dry_run)
     run_dir = Path(recipe.training.output_dir or _default_run_dir(recipe_path)).absolute()
     recipe.parallel.device = device  # type: ignore[assignment]
     recipe.parallel.nproc_per_node = nproc
@@ -385,11 +167,12 @@ def plan_launch(
     if options.writes:  # a job running in this directory first: the checks below would read its files
         RunLock(run_dir, options.node_rank).check_free()
     # What the launch may write and where (reads only, so a refusal is quick and leaves nothing).
-    dest = _check_destinations(recipe, recipe_path, options, run_dir, warnings)
+    dest = preflight.check_destinations(recipe, recipe_path, options, run_dir, warnings)
     # Pre-flight in this process, before any rank starts: config.json, the tying rule and every
     # module pattern against the meta model (the memory plan builds it), then the save directory.
-    detected = warning is None and count is not None
-    memory = _memory_plan(recipe, device, world_size, nproc, detected, warnings, required=not options.dry_run)
+    memory = preflight.memory_plan(
+        recipe, device, world_size, nproc, detected, warnings, required=not options.dry_run
+    )
 
     # Before anything is written there: a job running in this directory keeps its files. A dry
     # run writes nothing, so it takes no lock.
@@ -419,79 +202,6 @@ def _remove_if_empty(run_dir: Path, lock_file: Path) -> None:
             run_dir.rmdir()
 
 
-@dataclass
-class _Destinations:
-    """What ``_check_destinations`` found: where the launch writes, and how it resumes."""
-
-    run_dir: Path
-    save_dir: Path | None
-    run_id: str
-    identity: dict[str, Any]
-    #: The warning of a checkpoint directory shared on purpose, else None.
-    shared: str | None = None
-    decision: Any = None
-
-
-def _check_destinations(recipe, recipe_path, options, run_dir, warnings) -> _Destinations:
-    """The checks of ``rundir`` (the run directory, the checkpoint directory's owner, checkpoints
-    left behind, a resume under a changed set-up) and the run identity: reads only, no lock."""
-    import uuid
-
-    from magistral_cli.engine.checkpoint import resolve_save_dir
-
-    from . import rundir
-
-    device, nproc = recipe.parallel.device, recipe.parallel.nproc_per_node
-    world_size = nproc * options.nnodes
-    training, basic = recipe.training, recipe.data.dataset_param.basic_parameters
-    save_dir = resolve_save_dir(training.save, run_dir)
-    previous = rundir.read_previous(run_dir)
-    rundir.check_run_dir(run_dir, previous, save_dir)
-    rundir.check_inputs_not_outputs(
-        run_dir,
-        [("the recipe", recipe_path), ("the dataset", basic.dataset), ("training.load", training.load)],
-    )
-    run_id = str((previous.identity or {}).get("run_id") or uuid.uuid4().hex)
-    shared = None
-    if save_dir is not None:
-        shared = rundir.check_save_owner(save_dir, run_dir, run_id, previous, share=options.share_checkpoints)
-    rundir.check_checkpoints_kept(run_dir, previous, save_dir, training.load)
-    if save_dir is not None and training.resume == "never":
-        from magistral_cli.engine.checkpoint import refuse_fresh_start
-
-        refuse_fresh_start(save_dir)
-    recipe.training.output_dir = str(run_dir)
-    identity = build_identity(
-        recipe_path=recipe_path,
-        dataset=basic.dataset,
-        model_dir=recipe.model.model_name_or_path,
-        device=device,
-        world_size=world_size,
-        nnodes=options.nnodes,
-        nproc_per_node=nproc,
-        env={**os.environ, **merge_env(device_defaults(device, nproc), dict(os.environ))[0]},
-    )
-    resolved = recipe.model_dump(mode="json")
-    setup = rundir.data_setup(resolved, world_size, identity["dataset"])
-    decision = rundir.decide_resume(
-        save_dir, resolved, setup, world_size, previous, restart_data=options.restart_data
-    )
-    if decision is not None and decision.message():
-        warnings.append(decision.message())
-    if options.restart_data and (decision is None or decision.data != "restart"):
-        warnings.append(
-            "--restart-data has no effect: this launch "
-            + (
-                "starts fresh"
-                if decision is None
-                else f"resumes {decision.checkpoint} under the data set-up it was saved under"
-            )
-        )
-    identity.update(run_id=run_id, data_setup=setup)
-    identity[RESUME_KEY] = decision.record() if decision is not None else None
-    return _Destinations(run_dir, save_dir, run_id, identity, shared, decision)
-
-
 def _write_run_dir(
     recipe, recipe_path, overrides, options, dest, memory, warnings, progress=None, lock=None
 ) -> LaunchPlan:
@@ -515,7 +225,7 @@ def _write_run_dir(
             "cannot be resumed; set training.save=checkpoints (inside the run directory) or a path to keep them"
         )
     else:
-        _check_save_dir(recipe, save_dir, memory, warnings, options)
+        preflight.check_save_dir(recipe, save_dir, memory, warnings, options)
     if dest.shared:
         warnings.append(dest.shared)
     added, kept = merge_env(device_defaults(device, nproc), dict(os.environ))
@@ -542,7 +252,7 @@ def _write_run_dir(
         dataset_split(recipe, dataset)  # a val_size that leaves no training sample stops here
     # A dry run encodes nothing: it estimates from the cache entry only if that exists already.
     hint = "magistral preprocess " + shlex.join([str(recipe_path), *overrides])
-    padding = padding_section(recipe, world_size, dataset, hint=hint)
+    padding = preflight.padding_section(recipe, world_size, dataset, hint=hint)
     return LaunchPlan(
         recipe=recipe,
         recipe_path=recipe_path,

@@ -29,7 +29,8 @@ from magistral_cli.run_record import RESOLVED_CONFIG
 from magistral_cli.runtime import detect_device
 
 from .device import device_defaults, resolve_device
-from .launcher import ENGINE_MODULE, LaunchOptions, LaunchPlan, _check_paths, plan_launch
+from .launcher import ENGINE_MODULE, LaunchOptions, LaunchPlan, plan_launch
+from .preflight import check_paths
 
 #: The rendezvous port on the first node (``MASTER_PORT`` in the job's environment wins).
 DEFAULT_PORT = 29500
@@ -151,7 +152,7 @@ def plan_slurm(
             raise
         pre_flight.append(str(exc))
     if not dry_run:
-        _check_paths(recipe, pre_flight, dry_run=False)  # raises on a missing model / dataset / load
+        check_paths(recipe, pre_flight, dry_run=False)  # raises on a missing model / dataset / load
     extra = [f"parallel.device={device}"]
     if recipe.training.output_dir is None:
         # On the submitting directory's storage, which the job starts in (sbatch's default --chdir).

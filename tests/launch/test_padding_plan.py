@@ -16,7 +16,7 @@ from magistral_cli.cli.train_render import render_padding
 from magistral_cli.config import load_recipe
 from magistral_cli.data.packing import estimate_padding
 from magistral_cli.data.pipeline import run_preprocess
-from magistral_cli.launch.launcher import padding_section
+from magistral_cli.launch.preflight import padding_section
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny" / "tiny_cpu.yaml"
