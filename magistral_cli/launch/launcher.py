@@ -1,11 +1,12 @@
-"""The torchrun launcher behind ``magistral train``.
+"""The torchrun launcher behind ``magistral train``: what a launch does, in order.
 
-``plan_launch`` resolves the recipe, checks it against the world size, checks what it may write
-and where (``rundir``: the run directory, the checkpoint directory's owner, checkpoints left
-behind, a resume under a changed set-up), creates the run directory (``resolved_config.yaml``,
-``run_identity.json``, ``logs/``) and builds the exact torchrun command and the environment it
-adds. A dry run checks the same and writes nothing. ``run_launch`` runs it and returns the
-training's exit status: a failing rank fails the command.
+``plan_launch`` resolves the recipe, runs the pre-flight checks (``preflight``: the options, the
+devices against the world size, the inputs, what it may write and where through ``rundir``, the
+memory plan), creates the run directory (``resolved_config.yaml``, ``run_identity.json``,
+``logs/``) and builds the exact torchrun command (``supervise.build_command``) and the
+environment it adds. A dry run checks the same and writes nothing. ``run_launch`` runs it under
+``supervise`` and returns the training's exit status: a failing rank fails the command. The plan
+is data (``LaunchPlan``); the CLI renders it (``cli/train_render.py``).
 
 Multi-node runs use torchrun's own static rendezvous (``--nnodes --node-rank
 --master-addr --master-port``); nothing here is home-made.
@@ -16,11 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shlex
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -32,12 +29,9 @@ from magistral_cli.config.schema import Recipe
 from magistral_cli.run_record import RESOLVED_CONFIG, RESUME_KEY
 from magistral_cli.versions import check_supported_versions
 
-from . import preflight
+from . import preflight, supervise
 from .device import device_defaults, merge_env
 from .identity import write_json
-
-#: The module torchrun starts on every rank.
-ENGINE_MODULE = "magistral_cli.engine.run"
 
 
 @dataclass
@@ -119,29 +113,6 @@ class LaunchPlan:
 def _default_run_dir(recipe_path: Path) -> Path:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{recipe_path.stem}-{stamp}"
-
-
-def build_command(plan_args: LaunchOptions, nproc: int, run_dir: Path) -> list[str]:
-    """The torchrun command (``python -m torch.distributed.run``, so the same interpreter runs)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    if plan_args.nnodes == 1 and plan_args.master_addr is None and plan_args.master_port is None:
-        # One node: a local rendezvous on a free port, so two runs on one machine never clash.
-        cmd += ["--standalone"]
-    else:
-        cmd += [
-            "--nnodes",
-            str(plan_args.nnodes),
-            "--node-rank",
-            str(plan_args.node_rank),
-            "--master-addr",
-            plan_args.master_addr or "127.0.0.1",
-            "--master-port",
-            str(plan_args.master_port or 29500),
-        ]
-    # Every rank's stdout/stderr goes to logs/ (torchrun's --log-dir); the console shows rank 0.
-    cmd += ["--log-dir", str(run_dir / "logs"), "--tee", "3", "--local-ranks-filter", "0"]
-    cmd += ["-m", ENGINE_MODULE, str(run_dir / RESOLVED_CONFIG)]
-    return cmd
 
 
 def plan_launch(
@@ -229,7 +200,7 @@ def _write_run_dir(
     if dest.shared:
         warnings.append(dest.shared)
     added, kept = merge_env(device_defaults(device, nproc), dict(os.environ))
-    command = build_command(options, nproc, run_dir)
+    command = supervise.build_command(options, nproc, run_dir)
 
     if lock is not None:
         if claim is not None:
@@ -273,143 +244,6 @@ def _write_run_dir(
     )
 
 
-#: torchrun's own report of a failed rank starts with one of these (its log line or its traceback).
-_TORCHRUN_FAILURE = re.compile(r"^(E\d{4} .*\] failed \(exitcode|Traceback \(most recent call last\):)")
-#: How many lines of a crashed rank's log the failure report shows.
-LOG_TAIL = 15
-
-
-def _forward_stderr(stream, failure_log: Path) -> None:
-    """Copy torchrun's stderr to ours until its failure report starts; keep that report in a file."""
-    out = None
-    try:
-        for line in stream:
-            if out is None and _TORCHRUN_FAILURE.match(line):
-                out = open(failure_log, "w", encoding="utf-8")  # noqa: SIM115 (closed below)
-            if out is None:
-                sys.stderr.write(line)
-                sys.stderr.flush()
-            else:
-                out.write(line)
-    finally:
-        if out is not None:
-            out.close()
-
-
-def _rank_log(run_dir: Path, rank: int) -> Path | None:
-    """The newest ``stderr.log`` torchrun wrote for local rank ``rank``."""
-    logs = sorted((run_dir / "logs").glob(f"*/attempt_*/{rank}/stderr.log"), key=lambda p: p.stat().st_mtime)
-    return logs[-1] if logs else None
-
-
-#: One failure in torchrun's report: ``rank : 1 (local_rank: 1)``, then ``exitcode : -9 (pid: N)``.
-_TORCHRUN_RANK = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
-
-
-def torchrun_exits(run_dir: Path) -> tuple[dict[int, int], int | None]:
-    """({rank: exit code} from torchrun's failure report, the rank it names as the root cause).
-
-    A negative code is the signal that killed the rank (torchrun's own convention).
-    """
-    try:
-        text = (run_dir / "logs" / "torchrun_failure.log").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return {}, None
-    root = text.partition("Root Cause")[2]
-    codes = {int(m.group(1)): int(m.group(2)) for m in _TORCHRUN_RANK.finditer(text)}
-    first = _TORCHRUN_RANK.search(root)
-    return codes, int(first.group(1)) if first else None
-
-
-def _signal_name(number: int) -> str:
-    with contextlib.suppress(ValueError):
-        return signal.Signals(number).name
-    return f"signal {number}"
-
-
-def failure_report(run_dir: Path, code: int, nproc: int) -> tuple[list[str], int]:
-    """(lines naming each failed rank with its own error, the command's exit status).
-
-    The cause comes first: a rank killed by a signal (torchrun's report gives the signal; the
-    other ranks then fail on their lost connection, which comes after it), then a rank that
-    ended without a status, then the ranks' own errors. Exit 2 when every failed rank stopped on
-    a user error (a bad recipe, a bad path), 1 otherwise.
-    """
-    from magistral_cli.engine.run import STATUS_DIR
-
-    statuses = {}
-    for path in sorted((run_dir / STATUS_DIR).glob("rank*.json")):
-        with contextlib.suppress(OSError, ValueError):
-            record = json.loads(path.read_text(encoding="utf-8"))
-            statuses[int(record["rank"])] = record
-    failed = {r: s for r, s in statuses.items() if s.get("exit_status")}
-    missing = [r for r in range(nproc) if r not in statuses]
-    user_errors = [r for r, s in failed.items() if s.get("kind") == "user"]
-    if user_errors and all(s.get("kind") == "user" for s in failed.values()):
-        # A rank stopped on bad input: torchrun then stops the others (SIGTERM), and a rank stopped
-        # before it could record anything is that consequence, not a second failure.
-        lines = [f"rank {rank} failed: {_short_error(failed[rank])}" for rank in sorted(user_errors)]
-        if missing:
-            stopped = ", ".join(str(r) for r in missing)
-            lines.append(f"rank(s) {stopped} stopped by torchrun after that failure (no status of their own)")
-        return lines, 2
-    codes, root = torchrun_exits(run_dir)
-    # Killed by a signal: the likeliest cause, first. A SIGTERM that torchrun sent after another
-    # rank's failure (it stops the rest) is a consequence, not a cause.
-    killed = {
-        r: -c
-        for r, c in codes.items()
-        if c < 0 and r not in failed and not (-c == signal.SIGTERM and root is not None and r != root)
-    }
-    stopped = [r for r, c in codes.items() if c == -signal.SIGTERM and r not in killed and r not in failed]
-    lines: list[str] = []
-    for rank, number in sorted(killed.items()):
-        why = ": the out-of-memory killer or a `kill -9`" if number == signal.SIGKILL else ""
-        lines.append(f"rank {rank} was killed by signal {number} ({_signal_name(number)}){why}")
-        if rank < nproc:
-            lines += _log_tail(run_dir, rank)
-    # Ranks of this node that recorded nothing, for no reason torchrun gave, were killed (the
-    # out-of-memory killer) or died before start-up, with their log's last lines.
-    for rank in missing:
-        if rank in killed or rank in stopped:
-            continue
-        lines.append(
-            f"rank {rank} ended without a status (torchrun exit status {code}): killed, out of memory, "
-            "or a crash before start-up"
-        )
-        lines += _log_tail(run_dir, rank)
-    after = f" after rank {min(killed)} was killed" if killed else ""
-    for rank, record in sorted(failed.items()):
-        error = _short_error(record)
-        if record.get("kind") in ("user", "check"):
-            lines.append(f"rank {rank} failed{after}: {error}")
-        else:
-            lines.append(f"rank {rank} crashed{after}: {error}")
-            if not missing and not killed and rank < nproc:
-                lines += _log_tail(run_dir, rank)
-    if stopped:
-        ranks = ", ".join(map(str, sorted(stopped)))
-        lines.append(
-            f"rank(s) {ranks} stopped by torchrun" + (" after that failure" if lines else " (SIGTERM)")
-        )
-    if not lines:
-        lines.append(f"torchrun exit status {code}, but every rank recorded success")
-    return lines, 1
-
-
-def _short_error(record: dict) -> str:
-    error = str(record.get("error"))
-    return error[:400] + " ..." if len(error) > 400 else error
-
-
-def _log_tail(run_dir: Path, local_rank: int) -> list[str]:
-    log = _rank_log(run_dir, local_rank)
-    if log is None:
-        return []
-    tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-LOG_TAIL:]
-    return [f"  {line}" for line in tail]
-
-
 def run_launch(plan: LaunchPlan, console, node_rank: int = 0) -> int:
     """Run torchrun; return the job's exit status (non-zero when any rank failed).
 
@@ -417,17 +251,16 @@ def run_launch(plan: LaunchPlan, console, node_rank: int = 0) -> int:
     exits 2. Ctrl-C reaches torchrun directly (same process group); a SIGTERM sent to this
     process is passed on to torchrun, which stops its ranks; a SIGKILL of this process alone
     SIGTERMs torchrun (its parent-death signal); and the ranks die with torchrun, so no rank
-    outlives the command. A failed job prints which rank failed with that rank's own
-    error lines; torchrun's traceback goes to ``logs/torchrun_failure.log``.
+    outlives the command (``supervise.run_torchrun``). A failed job prints which rank failed with
+    that rank's own error lines (``supervise.failure_report``) on ``console`` (anything with rich's
+    ``print``); torchrun's traceback goes to ``logs/torchrun_failure.log``.
     """
     import shutil
-    import threading
 
     from magistral_cli.engine.run import STATUS_DIR
     from magistral_cli.errors import CheckFailed
-    from magistral_cli.run_lock import RunLock, parent_death_preexec
+    from magistral_cli.run_lock import RunLock
 
-    env = {**os.environ, **plan.env_added}
     summary = plan.run_dir / "summary.json"
     failure_log = plan.run_dir / "logs" / "torchrun_failure.log"
     lock = plan.lock or RunLock(plan.run_dir, node_rank).acquire()
@@ -438,37 +271,11 @@ def run_launch(plan: LaunchPlan, console, node_rank: int = 0) -> int:
         shutil.rmtree(plan.run_dir / STATUS_DIR, ignore_errors=True)
         failure_log.unlink(missing_ok=True)
         start = time.monotonic()
-        # torchrun gets SIGTERM when this process dies, even by SIGKILL alone (the out-of-memory
-        # killer's way), and stops its ranks; they die with torchrun in any case.
-        child = subprocess.Popen(
-            plan.command,
-            env=env,
-            stderr=subprocess.PIPE,
-            text=True,
-            errors="replace",
-            preexec_fn=parent_death_preexec(),
-        )
-        reader = threading.Thread(target=_forward_stderr, args=(child.stderr, failure_log), daemon=True)
-        reader.start()
-
-        def _forward(signum, _frame):
-            child.send_signal(signum)
-
-        previous = signal.signal(signal.SIGTERM, _forward)
-        try:
-            while True:
-                try:
-                    code = child.wait()
-                    break
-                except KeyboardInterrupt:
-                    continue  # torchrun got the same SIGINT and is stopping its ranks: wait for it
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-        reader.join(timeout=10)
+        code = supervise.run_torchrun(plan.command, {**os.environ, **plan.env_added}, failure_log)
         status = code
         lines: list[str] = []
         if code != 0:
-            lines, status = failure_report(plan.run_dir, code, plan.nproc_per_node)
+            lines, status = supervise.failure_report(plan.run_dir, code, plan.nproc_per_node)
         record = {"steps": None, "wall_s": round(time.monotonic() - start, 3), "exit_status": status}
         if summary.exists():
             with contextlib.suppress(ValueError, OSError):
@@ -484,8 +291,5 @@ def run_launch(plan: LaunchPlan, console, node_rank: int = 0) -> int:
         lock.release()
         plan.lock = None
     if status != 0:
-        console.print(f"[red]training failed[/] (exit status {status})", highlight=False)
-        for line in lines:
-            console.print(line, markup=False, highlight=False, soft_wrap=True)
-        console.print(f"per-rank logs: {plan.run_dir / 'logs'}", markup=False, highlight=False)
+        supervise.print_failure(console, status, lines, plan.run_dir / "logs")
     return status

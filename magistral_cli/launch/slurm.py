@@ -29,8 +29,9 @@ from magistral_cli.run_record import RESOLVED_CONFIG
 from magistral_cli.runtime import detect_device
 
 from .device import device_defaults, resolve_device
-from .launcher import ENGINE_MODULE, LaunchOptions, LaunchPlan, plan_launch
+from .launcher import LaunchOptions, LaunchPlan, plan_launch
 from .preflight import check_paths
+from .supervise import ENGINE_MODULE
 
 #: The rendezvous port on the first node (``MASTER_PORT`` in the job's environment wins).
 DEFAULT_PORT = 29500

@@ -373,7 +373,7 @@ def _statuses(run_dir: Path, **records: dict) -> None:
 def test_a_rank_stopped_by_torchrun_after_a_user_error_keeps_exit_2(tmp_path):
     """torchrun SIGTERMs the other ranks when one fails; one killed before it recorded a status is
     that consequence, not a second failure (under load this race turned exit 2 into exit 1)."""
-    from magistral_cli.launch.launcher import failure_report
+    from magistral_cli.launch.supervise import failure_report
 
     error = "cannot load /m: the checkpoint belongs to another model config"
     _statuses(tmp_path, rank0={"rank": 0, "exit_status": 2, "kind": "user", "error": error})
@@ -397,7 +397,7 @@ def test_a_rank_stopped_by_torchrun_after_a_user_error_keeps_exit_2(tmp_path):
 
 def test_a_rank_killed_by_a_signal_comes_first_and_torchruns_own_stops_after(tmp_path):
     """torchrun's report gives the signal; the lost connection of the other rank is named after it."""
-    from magistral_cli.launch.launcher import failure_report
+    from magistral_cli.launch.supervise import failure_report
 
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "torchrun_failure.log").write_text(
