@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -246,9 +247,9 @@ def test_a_failing_rank_is_named_with_its_own_error(tmp_path):
     code = run_launch(plan, console)
     assert code == 2
     report = "\n".join(console.lines)
-    assert (
-        "rank 0 failed: cannot load" in report and "the checkpoint belongs to another model config" in report
-    )
+    # Both ranks load the same files and fail alike: whichever error torchrun records first is named.
+    assert re.search(r"rank [01] failed: cannot load", report), report
+    assert "the checkpoint belongs to another model config" in report
     assert "Traceback" not in report
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["exit_status"] == 2

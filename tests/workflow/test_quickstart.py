@@ -11,12 +11,12 @@ from typer.testing import CliRunner
 from magistral_cli.cli.main import app
 
 
-@pytest.mark.slow
 def _steps(run_dir: Path, split: str = "train") -> list[int]:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     return [x["step"] for x in lines if x.get("split", "train") == split]
 
 
+@pytest.mark.slow
 def test_quickstart_runs_the_whole_workflow(tmp_path):
     result = CliRunner().invoke(
         app, ["quickstart", "--workdir", str(tmp_path), "--steps", "4", "--no-probes", "--json"]
