@@ -32,27 +32,7 @@ from magistral_cli.versions import check_supported_versions
 from . import preflight, supervise
 from .device import device_defaults, merge_env
 from .identity import write_json
-
-
-@dataclass
-class LaunchOptions:
-    nproc_per_node: int | None = None
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str | None = None
-    master_port: int | None = None
-    #: Start nothing, write nothing (the checks run, and what this machine lacks only warns).
-    dry_run: bool = False
-    #: With ``dry_run``: write the run directory all the same, for a job started elsewhere (``--slurm``).
-    write_run_dir: bool = False
-    #: Write into a checkpoint directory that another run owns, on purpose (``--share-checkpoints``).
-    share_checkpoints: bool = False
-    #: Resume a checkpoint under a changed data set-up, the data order started again (``--restart-data``).
-    restart_data: bool = False
-
-    @property
-    def writes(self) -> bool:
-        return not self.dry_run or self.write_run_dir
+from .options import LaunchOptions
 
 
 @dataclass
@@ -214,7 +194,7 @@ def _write_run_dir(
         )
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     dataset = None
-    if not options.dry_run and recipe.data.dataset_param.dataset_type != "synthetic":
+    if not options.dry_run and not recipe.data.dataset_param.is_synthetic:
         # Encode (or find the cache) here, once, so that no rank waits in a barrier while
         # rank 0 encodes: a long encode would outlast the collective timeout.
         from magistral_cli.data.loader import dataset_split, prepare_dataset

@@ -26,7 +26,7 @@ from .device import device_defaults, merge_env, resolve_device
 from .identity import build_identity
 
 if TYPE_CHECKING:
-    from .launcher import LaunchOptions
+    from .options import LaunchOptions
 
 
 def check_options(recipe: Recipe, options: LaunchOptions) -> None:
@@ -74,7 +74,7 @@ def check_paths(recipe: Recipe, warnings: list[str], dry_run: bool) -> None:
         ("model.model_name_or_path", recipe.model.model_name_or_path, "is_dir"),
         ("training.load", recipe.training.load, "exists"),
     ]
-    if recipe.data.dataset_param.dataset_type != "synthetic":
+    if not recipe.data.dataset_param.is_synthetic:
         checks.append(("data.dataset_param.basic_parameters.dataset", basic.dataset, "is_file"))
     problems = []
     for key, value, kind in checks:
@@ -286,7 +286,7 @@ def padding_section(recipe: Recipe, world_size: int, dataset=None, *, hint: str 
     """
     basic = recipe.data.dataset_param.basic_parameters
     out: dict[str, Any] = {"cache_entry": None, "note": None, "estimate": None}
-    if recipe.data.dataset_param.dataset_type == "synthetic":
+    if recipe.data.dataset_param.is_synthetic:
         out["note"] = "synthetic data: no dataset to estimate the padding from"
         return out
     from magistral_cli.data.packing import estimate_padding

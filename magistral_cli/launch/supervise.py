@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from magistral_cli.run_record import RESOLVED_CONFIG
 
 if TYPE_CHECKING:
-    from .launcher import LaunchOptions
+    from .options import LaunchOptions
 
 #: The module torchrun starts on every rank.
 ENGINE_MODULE = "magistral_cli.engine.run"
