@@ -358,7 +358,18 @@ class BasicParameters(Section):
         le=TOKENS_MAX,
         description="Maximum tokens per sample; samples whose image tokens would be cut are dropped.",
     )
-    template: str = Field("mistral", description="Chat template name.")
+    template: str = Field("mistral", description="Chat template name ('mistral', Magistral's own).")
+
+    @field_validator("template")
+    @classmethod
+    def _known_template(cls, name: str) -> str:
+        if name not in TEMPLATES:
+            raise ValueError(
+                f"template {name!r} is not supported; Magistral uses 'mistral' "
+                "(data.dataset_param.basic_parameters.template=mistral)"
+            )
+        return name
+
     enable_thinking: bool = Field(
         False,
         description=(
@@ -488,8 +499,14 @@ class SyntheticData(Section):
     )
 
 
+#: ``dataset_type`` of the random batches that check a machine without a dataset.
+SYNTHETIC = "synthetic"
+#: Chat templates the data pipeline encodes with (Magistral's own).
+TEMPLATES = ("mistral",)
+
+
 class DatasetParam(Section):
-    dataset_type: str = Field(
+    dataset_type: Literal["huggingface", "synthetic"] = Field(
         "huggingface",
         description="Dataset loader kind: 'huggingface' (the LLaVA/ShareGPT JSON reader) or 'synthetic' "
         "(random batches in the loader's format, to check a machine without a dataset).",
@@ -507,10 +524,14 @@ class DatasetParam(Section):
         default_factory=SyntheticData, description="Batch shape when dataset_type is synthetic."
     )
 
+    @property
+    def is_synthetic(self) -> bool:
+        return self.dataset_type == SYNTHETIC
+
     @model_validator(mode="after")
     def _synthetic_val_size(self):
         val_size = self.basic_parameters.val_size
-        if self.dataset_type == "synthetic" and isinstance(val_size, float) and val_size > 0:
+        if self.is_synthetic and isinstance(val_size, float) and val_size > 0:
             raise ValueError(
                 f"data.dataset_param.basic_parameters.val_size is the fraction {val_size}, and synthetic data "
                 "(dataset_type: synthetic) has no dataset size to take a fraction of: set a count of synthetic "

@@ -27,7 +27,6 @@ from .encoder import ENCODER_REVISION, EncodedSample, EncodeParams, Encoder
 from .pixtral import ImageSettings, load_image_settings
 from .readers import Drop, RecordFormat, RowSource, read_rows
 from .report import SampleNotes, build_report
-from .template import check_template
 from .tokenizer import (
     TekkenTokenizer,
     check_against_model_config,
@@ -117,10 +116,9 @@ def plan_preprocess(recipe, *, overwrite: bool | None = None) -> PreprocessPlan:
     """
     dp = recipe.data.dataset_param
     pre, basic = dp.preprocess_parameters, dp.basic_parameters
-    check_template(basic.template)
-    if dp.dataset_type != "huggingface":
+    if dp.is_synthetic:  # the schema allows huggingface and synthetic; synthetic data has no file to encode
         raise UserError(
-            f"dataset_type {dp.dataset_type!r} is not supported; use 'huggingface' (LLaVA/ShareGPT JSON)"
+            "dataset_type 'synthetic' has no dataset to preprocess; use 'huggingface' (LLaVA/ShareGPT JSON)"
         )
     model_dir, dataset, dataset_dir, cache_dir = _resolve_paths(recipe)
     tokenizer_options = (pre.tokenizer_source, pre.fix_mistral_regex, pre.split_special_tokens)

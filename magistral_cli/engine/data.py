@@ -17,13 +17,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch.distributed as dist
 
 from magistral_cli.config.schema import Recipe
-from magistral_cli.errors import UserError
 
 if TYPE_CHECKING:
     from magistral_cli.data.cache import EncodedDataset
     from magistral_cli.data.loader import ValBatches
 
-SYNTHETIC = "synthetic"
 #: Added to ``training.seed`` for the synthetic validation samples: a stream of their own, apart
 #: from the training batches' (sample k's generator is seeded ``seed * 1_000_003 + k``, so the two
 #: streams could meet only after 10**12 training samples).
@@ -42,7 +40,7 @@ def build_data(recipe: Recipe, *, dp_rank: int, dp_size: int, vocab_size: int) -
     """The training data source of data-parallel rank ``dp_rank`` of ``dp_size``."""
     params = recipe.data.dataset_param
     training = recipe.training
-    if params.dataset_type == SYNTHETIC:
+    if params.is_synthetic:
         from .synthetic import SyntheticBatches
 
         return SyntheticBatches(
@@ -93,12 +91,7 @@ def build_val_data(
     from magistral_cli.data.loader import ValBatches, build_val_batches
 
     training = recipe.training
-    if params.dataset_type == SYNTHETIC:
-        if not isinstance(val_size, int):
-            raise UserError(
-                f"data.dataset_param.basic_parameters.val_size is {val_size}, a fraction: synthetic data has "
-                "no dataset size to take a fraction of; set a count of validation samples (val_size: 8)"
-            )
+    if params.is_synthetic:  # val_size is a count here: the schema refuses a fraction of synthetic data
         from .synthetic import SyntheticBatches, collate
 
         samples = SyntheticBatches(

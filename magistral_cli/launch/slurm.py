@@ -242,7 +242,7 @@ def render_script(
         'rm -rf "$RUN_DIR/summary.json" "$RUN_DIR/rank_status"',
     ]
     python = shlex.quote(sys.executable)
-    if launch.recipe.data.dataset_param.dataset_type != "synthetic":
+    if not launch.recipe.data.dataset_param.is_synthetic:
         lines += [
             "# Encode the dataset (or find its cache entry) once, before any rank waits for it.",
             f'{python} -m magistral_cli preprocess "$RUN_DIR/resolved_config.yaml"',

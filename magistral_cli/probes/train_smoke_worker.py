@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from magistral_cli.config.loader import validate_recipe
+from magistral_cli.config.schema import SYNTHETIC
 from magistral_cli.engine.synthetic import YIELDED, MicroBatchCounter, SyntheticBatches
 from magistral_cli.engine.trainer import Trainer
 from magistral_cli.runtime import BACKENDS, init_distributed
@@ -59,7 +60,7 @@ def probe_recipe(model_dir: Path, run_dir: Path, device: str, steps: int) -> dic
         "parallel": {"device": device, "fsdp_plan": {"param_dtype": "bf16", "reduce_dtype": "fp32"}},
         "data": {
             "dataset_param": {
-                "dataset_type": "synthetic",
+                "dataset_type": SYNTHETIC,
                 "basic_parameters": {"cutoff_len": SEQUENCE_LENGTH},
             }
         },

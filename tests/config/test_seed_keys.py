@@ -155,7 +155,7 @@ CHECKS: dict[str, Reads | Probe | Refused | Gated] = {
     "parallel.ring_attention_size": Reads(2, "engine/parallelize.py"),
     "parallel.ulysses_parallel_size": Reads(2, "engine/parallelize.py"),
     # data: dataset
-    "data.dataset_param.dataset_type": Reads("synthetic", "engine/data.py"),
+    "data.dataset_param.dataset_type": Reads("synthetic", "engine/data.py", ".is_synthetic"),
     f"{ATTR}.images": Reads("pictures", "data/readers.py"),
     f"{ATTR}.messages": Reads("turns", "data/readers.py"),
     f"{ATTR}.role_tag": Reads("from", "data/readers.py"),
@@ -180,7 +180,7 @@ CHECKS: dict[str, Reads | Probe | Refused | Gated] = {
     f"{PRE}.fix_mistral_regex": Reads(False, "data/pipeline.py"),
     f"{PRE}.trust_remote_code": Refused(True, "true is not supported here.*never runs code.*set it to false"),
     f"{BASIC}.cutoff_len": Reads(4096, "data/pipeline.py"),
-    f"{BASIC}.template": Reads("other", "data/pipeline.py"),
+    f"{BASIC}.template": Refused("other", "template 'other' is not supported; Magistral uses 'mistral'"),
     f"{BASIC}.enable_thinking": Reads(True, "data/encoder.py"),
     f"{BASIC}.train_on_prompt": Reads(True, "data/encoder.py"),
     f"{BASIC}.mask_history": Reads(True, "data/encoder.py"),
