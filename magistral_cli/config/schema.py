@@ -19,6 +19,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from magistral_cli.errors import UserError
+
 Dtype = Literal["bf16", "fp16", "fp32"]
 Device = Literal["auto", "cpu", "cuda", "npu"]
 
@@ -1213,23 +1215,26 @@ def compatibility_notes(recipe: Recipe) -> list[str]:
     return notes
 
 
-def check_world_size(recipe: Recipe, world_size: int) -> int:
+def check_world_size(recipe: Recipe, world_size: int, *, source: str | None = None) -> int:
     """Check that the parallel degrees divide ``world_size``; return the FSDP degree.
 
     The device mesh is (data parallel = FSDP, context parallel); FSDP shards over both
-    dimensions, as the seed does.
+    dimensions, as the seed does. A mismatch is a ``UserError`` (prefixed with ``source``, the
+    recipe's path, where the caller knows it): the launcher's pre-flight and the trainer's mesh
+    both call this, so a launch refuses it before any process starts.
     """
+    where = f"{source}: " if source else ""
     par = recipe.parallel
     cp = par.cp_size
     if world_size % cp:
-        raise ValueError(
-            f"the context-parallel degree (ulysses_parallel_size {par.ulysses_parallel_size} x "
+        raise UserError(
+            f"{where}the context-parallel degree (ulysses_parallel_size {par.ulysses_parallel_size} x "
             f"ring_attention_size {par.ring_attention_size} = {cp}) does not divide the world size {world_size}"
         )
     dp = world_size // cp
     if par.fully_shard_parallel_size != "auto" and par.fully_shard_parallel_size != dp:
-        raise ValueError(
-            f"parallel.fully_shard_parallel_size is {par.fully_shard_parallel_size} but world size {world_size} / "
+        raise UserError(
+            f"{where}parallel.fully_shard_parallel_size is {par.fully_shard_parallel_size} but world size {world_size} / "
             f"context-parallel degree {cp} = {dp}; set it to {dp} or 'auto'"
         )
     return dp

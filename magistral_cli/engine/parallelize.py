@@ -18,7 +18,6 @@ from torch.utils.checkpoint import checkpoint
 
 from magistral_cli.config.patterns import select_modules
 from magistral_cli.config.schema import FSDPPlan, Recipe, check_world_size
-from magistral_cli.errors import UserError
 from magistral_cli.runtime import DTYPES
 
 log = logging.getLogger(__name__)
@@ -36,10 +35,7 @@ class ParallelDims:
 
     @classmethod
     def from_recipe(cls, recipe: Recipe, world_size: int) -> ParallelDims:
-        try:
-            dp = check_world_size(recipe, world_size)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
+        dp = check_world_size(recipe, world_size)
         par = recipe.parallel
         return cls(
             world_size=world_size,

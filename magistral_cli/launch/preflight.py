@@ -60,10 +60,7 @@ def resolve_processes(
         if not options.dry_run:
             raise UserError(message + "; lower --nproc-per-node")
         warnings.append(message)
-    try:
-        check_world_size(recipe, nproc * options.nnodes)
-    except ValueError as exc:
-        raise UserError(f"recipe {recipe_path}: {exc}") from None
+    check_world_size(recipe, nproc * options.nnodes, source=f"recipe {recipe_path}")
     return device, nproc, warning is None and count is not None
 
 

@@ -207,7 +207,7 @@ def test_world_size_divisibility(ulysses, ring, fsdp, world, expected):
 )
 def test_world_size_errors(parallel, world, message):
     recipe = validate_recipe({**_minimal(), "parallel": parallel})
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(UserError, match=message):
         check_world_size(recipe, world)
 
 

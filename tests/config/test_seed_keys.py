@@ -105,7 +105,7 @@ class Gated:
 def _world(recipe) -> Any:
     try:
         return check_world_size(recipe, 8)
-    except ValueError as exc:
+    except UserError as exc:
         return str(exc)
 
 
