@@ -2,7 +2,7 @@
 
 ::
 
-    cli -> quickstart / launch / analysis / probes (and generate.py) -> engine
+    cli -> quickstart / launch / analysis / probes (and generate/) -> engine
         -> data, checkpoint, ops, config, assets -> runtime, errors and the root modules
 
 Nothing imports up the chain; a module may import its own layer's siblings and anything below.
