@@ -202,14 +202,14 @@ def _check_adapter_dir(adapter: str | Path) -> Path:
 
 def resolve_device(requested: str):
     """``--device`` as a torch.device (auto: npu, then cuda, then cpu), set current."""
-    import torch
-
-    from magistral_cli.runtime import detect_device, set_device
+    from magistral_cli.runtime import resolve_device as resolve_requested
+    from magistral_cli.runtime import set_device
 
     if requested not in DEVICES:
         raise UserError(f"--device {requested!r}: use one of {', '.join(DEVICES)}")
-    device_type = detect_device()[0] if requested == "auto" else requested
-    if device_type == "cuda" and not torch.cuda.is_available():
+    resolved = resolve_requested(requested)
+    device_type = resolved.type
+    if device_type == "cuda" and resolved.problem is not None:
         raise UserError("--device cuda: no CUDA device is visible here; use --device cpu (or auto)")
     try:
         return set_device(device_type, 0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from magistral_cli.runtime import detect_device
+from magistral_cli import runtime
 
 #: The seed's launch scripts (finetune_magistral_2509_v1.sh) export these on Ascend.
 NPU_ENV = {
@@ -49,16 +49,8 @@ def merge_env(defaults: dict[str, str], user_env: dict[str, str]) -> tuple[dict[
 
 
 def resolve_device(requested: str) -> tuple[str, int | None, str | None]:
-    """(device, count or None, warning or None) for the recipe's ``parallel.device``."""
-    found, count = detect_device()
-    if requested == "auto":
-        return found, count, None
-    if requested == found:
-        return found, count, None
-    if requested == "cpu":
-        return "cpu", 1, None
-    return (
-        requested,
-        None,
-        f"parallel.device is {requested!r} but no {requested} device is visible here (found {found})",
-    )
+    """(device, count or None, warning or None) for the recipe's ``parallel.device``
+    (``runtime.resolve_device``, its problem said of ``parallel.device``)."""
+    resolved = runtime.resolve_device(requested)
+    warning = f"parallel.device is {requested!r} but {resolved.problem}" if resolved.problem else None
+    return resolved.type, resolved.count, warning

@@ -26,7 +26,6 @@ from magistral_cli.config import load_recipe
 from magistral_cli.engine.loggers import check_logger_available
 from magistral_cli.errors import UserError
 from magistral_cli.run_record import RESOLVED_CONFIG
-from magistral_cli.runtime import detect_device
 
 from .device import device_defaults, resolve_device
 from .launcher import LaunchOptions, LaunchPlan, plan_launch
@@ -98,10 +97,8 @@ def _check_token(flag: str, value: str | None) -> None:
 def _slurm_device(recipe) -> str:
     """The compute nodes' device: the recipe's, else this machine's accelerator, else cuda."""
     requested = recipe.parallel.device
-    if requested != "auto":
-        return requested
-    found, _ = detect_device()
-    return found if found in ("cuda", "npu") else "cuda"
+    device, _, _ = resolve_device(requested)
+    return "cuda" if requested == "auto" and device == "cpu" else device
 
 
 def _dq(value: str) -> str:

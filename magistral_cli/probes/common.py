@@ -141,9 +141,9 @@ def resolve_probe_device(requested: str) -> str:
     """``auto`` picks npu, then cuda, then cpu; an explicit device is kept (a probe may then SKIP)."""
     if requested != "auto":
         return requested
-    from magistral_cli.runtime import detect_device
+    from magistral_cli.runtime import resolve_device
 
-    return detect_device()[0]
+    return resolve_device("auto").type
 
 
 def relative_l2(actual, expected) -> float:

@@ -1,8 +1,9 @@
-"""Device detection, the device -> process-group backend map, dtype names, device setting."""
+"""Device detection and resolution, the device -> backend map, dtype names, device setting."""
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -47,9 +48,34 @@ def detect_device() -> tuple[str, int]:
     return "cpu", 1
 
 
+@dataclass(frozen=True)
+class ResolvedDevice:
+    """What a requested device (``auto``, ``cpu``, ``cuda``, ``npu``) is on this machine."""
+
+    type: str  # the device type: auto's pick, else the requested one
+    count: int | None  # how many are visible (1 for the CPU); None when the requested type is not
+    #: Why the requested type cannot be used here (it is not visible), or None. Callers put it in
+    #: their own words (a warning, an error naming their flag).
+    problem: str | None = None
+
+
+def resolve_device(requested: str) -> ResolvedDevice:
+    """The one resolution of a requested device (auto: npu, then cuda, then cpu; ``detect_device``).
+
+    ``cpu`` needs no detection; ``cuda`` / ``npu`` that this machine does not have resolve to
+    themselves, with no count and the problem said.
+    """
+    if requested == "cpu":
+        return ResolvedDevice("cpu", 1)
+    found, count = detect_device()
+    if requested in ("auto", found):
+        return ResolvedDevice(found, count)
+    return ResolvedDevice(requested, None, f"no {requested} device is visible here (found {found})")
+
+
 def resolve_device_type(requested: str) -> str:
     """``parallel.device`` as a torch device type (auto: npu, then cuda, then cpu)."""
-    return detect_device()[0] if requested == "auto" else requested
+    return resolve_device(requested).type
 
 
 def device_module(device_type: str) -> ModuleType | None:

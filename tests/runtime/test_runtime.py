@@ -10,12 +10,14 @@ import torch.distributed as dist
 
 from magistral_cli.runtime import (
     BACKENDS,
+    ResolvedDevice,
     device_module,
     device_name,
     device_peak_tflops,
     device_type_of_backend,
     parse_dtype,
     peak_tflops_of,
+    resolve_device,
     resolve_device_type,
     set_device,
     spawn_ranks,
@@ -72,6 +74,23 @@ def test_maps_are_consistent():
     assert resolve_device_type("cpu") == "cpu"
     with pytest.raises(ValueError, match="unknown device type"):
         device_module("tpu")
+
+
+def test_one_resolver_turns_a_requested_device_into_this_machines(monkeypatch):
+    from magistral_cli.launch.device import resolve_device as launch_resolve_device
+
+    monkeypatch.setattr("magistral_cli.runtime.device.detect_device", lambda: ("cuda", 4))
+    assert resolve_device("auto") == resolve_device("cuda") == ResolvedDevice("cuda", 4)
+    assert resolve_device("cpu") == ResolvedDevice("cpu", 1)
+    assert resolve_device("npu") == ResolvedDevice("npu", None, "no npu device is visible here (found cuda)")
+    assert resolve_device_type("auto") == "cuda" and resolve_device_type("npu") == "npu"
+    # The launcher's shape: the problem said of the recipe's parallel.device.
+    assert launch_resolve_device("auto") == ("cuda", 4, None)
+    assert launch_resolve_device("npu") == (
+        "npu",
+        None,
+        "parallel.device is 'npu' but no npu device is visible here (found cuda)",
+    )
 
 
 def _job(value: int) -> int:
