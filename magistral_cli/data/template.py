@@ -40,18 +40,6 @@ MAGISTRAL_THINKING_PROMPT = (
     "response. "
 )
 
-TEMPLATES = ("mistral",)
-
-
-def check_template(name: str) -> None:
-    from magistral_cli.errors import UserError
-
-    if name not in TEMPLATES:
-        raise UserError(
-            f"template {name!r} is not supported; Magistral uses 'mistral' "
-            "(data.dataset_param.basic_parameters.template=mistral)"
-        )
-
 
 def resolve_default_system(recipe_value: str | None) -> str:
     """The default system prompt a recipe asks for: unset (None) means the seed template's."""

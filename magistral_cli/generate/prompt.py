@@ -57,12 +57,11 @@ class PromptEncoder:
         from magistral_cli.config.schema import Data
         from magistral_cli.data.pixtral import load_image_settings
         from magistral_cli.data.readers import RecordFormat
-        from magistral_cli.data.template import check_template, resolve_default_system
+        from magistral_cli.data.template import resolve_default_system
         from magistral_cli.data.tokenizer import check_against_model_config, load_tokenizer
 
         data = source.recipe.data if source.recipe is not None else Data()
         pre, basic = data.dataset_param.preprocess_parameters, data.dataset_param.basic_parameters
-        check_template(basic.template)
         tokenizer_dir = source.model_dir
         if source.recipe is not None and pre.model_name_or_path and Path(pre.model_name_or_path).is_dir():
             tokenizer_dir = Path(pre.model_name_or_path)
