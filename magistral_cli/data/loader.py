@@ -338,8 +338,6 @@ class ValBatches:
             raise ValueError("no validation samples")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is not in 0..{dp_size - 1}")
-        if micro_batch_size < 1:
-            raise ValueError("micro_batch_size must be >= 1")
         share = indices[dp_rank::dp_size]
         batches = [share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
         # Rank 0 has the longest share: ceil(n / dp_size) samples.

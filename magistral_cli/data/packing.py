@@ -167,8 +167,6 @@ def expected_padding(row_lengths, micro_batch_size: int) -> PaddingEstimate:
     """
     rows = np.sort(np.asarray(row_lengths, dtype=np.int64))
     n, m = len(rows), int(micro_batch_size)
-    if m < 1:
-        raise ValueError("micro_batch_size must be >= 1")
     if n < m:
         return PaddingEstimate(n, 0, 0.0, 0.0, None)
     values, counts = np.unique(rows, return_counts=True)
