@@ -97,18 +97,23 @@ def read_step_values(
     return host
 
 
-def per_sample_weights(labels: torch.Tensor, attention_mask: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+def per_sample_weights(
+    labels: torch.Tensor, attention_mask: torch.Tensor, cu_seqlens=None, *, mean: bool = True
+) -> torch.Tensor:
     """``per_sample_loss`` weights of a host micro-batch: each sample's tokens weigh
     1 / (its targets x the micro-batch's samples).
 
     A row is a sample (``[B]`` weights), except in a neat pack (``cu_seqlens`` of a collator with
     ``segments="samples"``), where each packed sample is one (``[B, L - 1]`` target weights), so a
-    neat pack weighs its samples as a micro-batch of them one by one would.
+    neat pack weighs its samples as a micro-batch of them one by one would. ``mean=False`` (rows
+    only) leaves out the division by the samples: the weighted loss is then the sum of the samples'
+    token means, which an evaluation adds up over the whole split.
     """
     targets = labels[:, 1:] != -100
     if cu_seqlens is None:
         per_sample = targets.sum(dim=1).to(torch.float32)
-        return torch.where(per_sample > 0, 1.0 / per_sample.clamp(min=1), 0.0) / len(per_sample)
+        weights = torch.where(per_sample > 0, 1.0 / per_sample.clamp(min=1), 0.0)
+        return weights / len(per_sample) if mean else weights
     bounds = cu_seqlens.to(torch.int64)
     segment = torch.repeat_interleave(torch.arange(len(bounds) - 1), bounds[1:] - bounds[:-1]).view(
         labels.shape
@@ -508,7 +513,7 @@ class Trainer:
                     targets = int(per_sample.sum())
                     batch = _to_device(mb, self.device)
                     if self.loss_type == "per_sample_loss":
-                        weights = torch.where(per_sample > 0, 1.0 / per_sample.clamp(min=1).float(), 0.0)
+                        weights = per_sample_weights(mb["labels"], mb["attention_mask"], mean=False)
                         batch["sample_weights"] = weights.to(self.device)
                     if self.cp_groups is None:
                         loss = self.model(**batch)
