@@ -18,12 +18,12 @@ from magistral_cli.data.packing import segment_mode
 from magistral_cli.errors import CheckFailed, UserError
 from magistral_cli.ops.attention import resolve_attention, validate_right_padding
 from magistral_cli.ops.context_parallel import check_cp_model, check_cp_recipe, cp_groups_from_mesh
-from magistral_cli.ops.packed_attention import packed_inputs
 from magistral_cli.run_record import record_resolved
 from magistral_cli.runtime import host_to_device, init_distributed, resolve_device_type
 
 from . import checkpoint as ckpt
 from . import lora as lora_mod
+from .batch import per_sample_weights, to_device
 from .data import DataSource, build_data, build_val_data
 from .metrics import (
     FLOP_UNIT,
@@ -52,29 +52,11 @@ from .rng import rng_state, seed_everything, set_rng_state
 log = logging.getLogger("magistral_cli.engine")
 
 
-#: Batch entries the model reads on the host.
-HOST_KEYS = frozenset({"image_sizes"})
-
 #: With ``training.skip_nonfinite_steps``, a run stops (exit 1) once this many steps in a row
 #: were skipped, or every step of a run shorter than that: its updates have stopped (weights that
 #: a skipped step does not change stay non-finite for every batch), and a run that goes on would
 #: only save the unchanged model as if it had trained.
 SKIP_LIMIT = 10
-
-
-def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
-    """The model's inputs on ``device``; a packed batch's ``cu_seqlens`` becomes the packed
-    attention's arguments (``ops.packed_attention.packed_inputs``: device offsets, host ints)."""
-    # ``image_sizes`` stays on the host: the model only slices and counts with it
-    # (``Mistral3ForTraining.embed_inputs``), and a device copy would be read back every forward.
-    # Through pinned memory (the loader's batches are pinned already; synthetic ones are not): a
-    # copy from pageable memory would make the host wait for the queued AdamW of the last step.
-    out: dict[str, Any] = {
-        k: v if k in HOST_KEYS else host_to_device(v, device) for k, v in batch.items() if k != "cu_seqlens"
-    }
-    if "cu_seqlens" in batch:
-        out.update(packed_inputs(batch["cu_seqlens"], tuple(batch["input_ids"].shape), device))
-    return out
 
 
 def read_step_values(
@@ -95,34 +77,6 @@ def read_step_values(
         high, low = values[2 : 2 + n], values[2 + n :]
         host["counts"] = [(int(h) << 32) + int(lo) for h, lo in zip(high, low, strict=True)]
     return host
-
-
-def per_sample_weights(
-    labels: torch.Tensor, attention_mask: torch.Tensor, cu_seqlens=None, *, mean: bool = True
-) -> torch.Tensor:
-    """``per_sample_loss`` weights of a host micro-batch: each sample's tokens weigh
-    1 / (its targets x the micro-batch's samples).
-
-    A row is a sample (``[B]`` weights), except in a neat pack (``cu_seqlens`` of a collator with
-    ``segments="samples"``), where each packed sample is one (``[B, L - 1]`` target weights), so a
-    neat pack weighs its samples as a micro-batch of them one by one would. ``mean=False`` (rows
-    only) leaves out the division by the samples: the weighted loss is then the sum of the samples'
-    token means, which an evaluation adds up over the whole split.
-    """
-    targets = labels[:, 1:] != -100
-    if cu_seqlens is None:
-        per_sample = targets.sum(dim=1).to(torch.float32)
-        weights = torch.where(per_sample > 0, 1.0 / per_sample.clamp(min=1), 0.0)
-        return weights / len(per_sample) if mean else weights
-    bounds = cu_seqlens.to(torch.int64)
-    segment = torch.repeat_interleave(torch.arange(len(bounds) - 1), bounds[1:] - bounds[:-1]).view(
-        labels.shape
-    )
-    samples = int(torch.unique(segment[attention_mask.bool()]).numel())  # padding segments are no samples
-    target_segment = segment[:, 1:]
-    counts = torch.bincount(target_segment[targets], minlength=len(bounds) - 1).to(torch.float32)
-    weights = 1.0 / counts.clamp(min=1)[target_segment] / max(samples, 1)
-    return torch.where(targets, weights, 0.0)
 
 
 class Trainer:
@@ -376,7 +330,7 @@ class Trainer:
             # defer_grad_sync skips the reduce-scatter until the last micro-batch: less communication,
             # but FSDP2 then keeps every trainable parameter's gradient unsharded on every rank.
             self.model.set_requires_gradient_sync(i == last or not defer)
-            batch = _to_device(mb, self.device)
+            batch = to_device(mb, self.device)
             if loss_type == "per_sample_loss":
                 # Every token of sample b weighs 1 / (its targets x the micro-batch's samples).
                 neat = self.segments == "samples"
@@ -511,7 +465,7 @@ class Trainer:
                     validate_right_padding(mb["attention_mask"])
                     per_sample = (mb["labels"][:, 1:] != -100).sum(dim=1)
                     targets = int(per_sample.sum())
-                    batch = _to_device(mb, self.device)
+                    batch = to_device(mb, self.device)
                     if self.loss_type == "per_sample_loss":
                         weights = per_sample_weights(mb["labels"], mb["attention_mask"], mean=False)
                         batch["sample_weights"] = weights.to(self.device)

@@ -20,8 +20,9 @@ from magistral_cli.config.loader import validate_recipe
 from magistral_cli.data.collator import PixtralCollator
 from magistral_cli.data.loader import TrainDataset, build_train_dataloader, prepare_dataset
 from magistral_cli.data.pipeline import image_settings_of
+from magistral_cli.engine.batch import per_sample_weights
+from magistral_cli.engine.batch import to_device as _to_device
 from magistral_cli.engine.model import build_model, install_loss_head
-from magistral_cli.engine.trainer import _to_device, per_sample_weights
 from magistral_cli.ops.attention import resolve_attention
 from magistral_cli.testing.tiny_data import write_synthetic_llava_dataset, write_tiny_tokenizer_files
 from magistral_cli.testing.tiny_model import tiny_mistral3_config
