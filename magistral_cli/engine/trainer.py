@@ -47,7 +47,8 @@ from .optim import build_optimizer, clip_grads_, grad_norm_and_sums, lr_at
 from .parallelize import ParallelDims, parallelize_model
 from .profiling import MemoryProfiler, StepProfiler
 from .resume import CheckpointManager
-from .rng import rng_state, seed_everything, set_rng_state
+from .rng import seed_everything
+from .validate import evaluate, log_validation
 
 log = logging.getLogger("magistral_cli.engine")
 
@@ -443,60 +444,18 @@ class Trainer:
         return out
 
     def evaluate(self) -> dict[str, Any] | None:
-        """The mean validation loss over the whole split at this step (None without a split).
-
-        The loss definition is training's (``features.loss_cfg.loss_type``) over the split:
-        ``per_token_loss`` the summed token losses over all targets, ``default`` the mean of the
-        micro-batches' token means, ``per_sample_loss`` the mean of the samples' token means. Every
-        dp rank runs its share (the same number of forwards; filler micro-batches carry no targets)
-        and the sums are all-reduced over dp; the ranks of a CP group compute the same sums. No
-        gradient, dropout off, and the RNG states are restored afterwards: the training that follows
-        is exactly what it would have been without the evaluation.
-        """
-        if self.val_data is None:
-            return None
-        saved_rng = rng_state(self.device_type)
-        was_training = self.model.training
-        self.model.eval()
-        sums = torch.zeros(3, dtype=torch.float32, device=self.device)  # numerator, denominator, targets
-        try:
-            with torch.no_grad():
-                for mb in self.val_data:
-                    validate_right_padding(mb["attention_mask"])
-                    per_sample = (mb["labels"][:, 1:] != -100).sum(dim=1)
-                    targets = int(per_sample.sum())
-                    batch = to_device(mb, self.device)
-                    if self.loss_type == "per_sample_loss":
-                        weights = per_sample_weights(mb["labels"], mb["attention_mask"], mean=False)
-                        batch["sample_weights"] = weights.to(self.device)
-                    if self.cp_groups is None:
-                        loss = self.model(**batch)
-                    else:
-                        loss = self.model(**batch, num_items_in_batch=1).loss
-                    if not targets:
-                        continue  # a filler: the forward ran for FSDP's collectives, nothing to count
-                    loss = loss.detach().float()
-                    if self.loss_type == "per_token_loss":
-                        part = torch.stack([loss, loss.new_tensor(float(targets))])
-                    elif self.loss_type == "default":
-                        part = torch.stack([loss / targets, loss.new_tensor(1.0)])
-                    else:  # per_sample_loss: the weighted sum is the sum of the sample means
-                        part = torch.stack([loss, loss.new_tensor(float((per_sample > 0).sum()))])
-                    sums[:2] += part
-                    sums[2] += targets
-        finally:
-            self.model.train(was_training)
-            set_rng_state(saved_rng, self.device_type)
-        dist.all_reduce(sums, group=self.dp_group)
-        numerator, denominator, targets = sums.tolist()
-        record = {
-            "step": self.step,
-            "split": "val",
-            "loss": numerator / denominator if denominator else float("nan"),
-            "samples": int(getattr(self.val_data, "num_samples", 0)) or None,
-            "targets": int(targets),
-        }
-        return record
+        """The mean validation loss over the whole split at this step (None without a split;
+        ``validate.evaluate``)."""
+        return evaluate(
+            self.model,
+            self.val_data,
+            step=self.step,
+            loss_type=self.loss_type,
+            device=self.device,
+            device_type=self.device_type,
+            dp_group=self.dp_group,
+            context_parallel=self.cp_groups is not None,
+        )
 
     def logged_loss(self, global_objective: float, targets: int) -> float:
         """The step's loss from the objectives summed over the dp ranks (MindSpeed-MM's logged value)."""
@@ -627,13 +586,8 @@ class Trainer:
 
     def _validate(self, metrics: MetricsFile | None, progress: Progress) -> None:
         record = self.evaluate()
-        if record is None:
-            return
-        if metrics is not None:
-            metrics.write(record)
-        progress.validation(record)
-        if self.rank == 0 and not math.isfinite(record["loss"]):
-            log.warning("step %d: the validation loss is not finite", self.step)
+        if record is not None:
+            log_validation(record, metrics, progress, rank=self.rank)
 
     def close(self, exit_status: int = 0, error: str | None = None) -> None:
         """Write summary.json (rank 0) and leave the process group if this trainer joined it.
