@@ -18,6 +18,7 @@ buffers, which the meta build could not compute.
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 
 import torch
@@ -29,6 +30,8 @@ from magistral_cli.model_config import apply_tying_rule, read_model_config
 from magistral_cli.ops.causal_attention import causal_attention_name
 from magistral_cli.ops.chunked_loss import cross_entropy_sum
 from magistral_cli.ops.packed_attention import is_packed_attention
+
+log = logging.getLogger("magistral_cli.engine")
 
 
 class LossHead(nn.Linear):
@@ -292,3 +295,28 @@ def output_capture_survives_wrapping(model: nn.Module):
     yield
     for module, spec in flags.items():
         dict.__setitem__(_CAN_RECORD_REGISTRY, str(type(module)), spec)
+
+
+def log_parameter_counts(model: nn.Module, lora) -> None:
+    """Log the trainable and total parameters (a tied head counted once), as the launch shows them;
+    ``lora`` is ``engine.lora.LoraApplied`` or None (full fine-tuning)."""
+    seen: set[int] = set()
+    total = trainable = 0
+    for param in model.parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        total += param.numel()
+        trainable += param.numel() if param.requires_grad else 0
+    what = (
+        f"LoRA r={lora.spec.r} on {len(lora.targets.modules)} Linear layers"
+        if lora is not None
+        else "full fine-tuning"
+    )
+    log.info(
+        "trainable parameters: %s of %s (%.2f%%; %s)",
+        f"{trainable:,}",
+        f"{total:,}",
+        100.0 * trainable / max(total, 1),
+        what,
+    )

@@ -40,6 +40,7 @@ from .model import (
     check_image_tokens,
     install_loss_head,
     load_model_config,
+    log_parameter_counts,
     loss_head_sum,
     sequential_positions,
 )
@@ -141,7 +142,7 @@ class Trainer:
         self.model = self._build_model()
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         if self.rank == 0:
-            self._log_parameter_counts()
+            log_parameter_counts(self.model, self.lora)
         self.optimizer = build_optimizer(self.model, training, self.device_type)
         if self.rank == 0:
             # Choices only the device can make, next to the launcher's record of the run.
@@ -229,29 +230,6 @@ class Trainer:
             self.frozen,
         )
         return model
-
-    def _log_parameter_counts(self) -> None:
-        """Trainable and total parameters (a tied head counted once), as the launch shows them."""
-        seen: set[int] = set()
-        total = trainable = 0
-        for param in self.model.parameters():
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            total += param.numel()
-            trainable += param.numel() if param.requires_grad else 0
-        what = (
-            f"LoRA r={self.lora.spec.r} on {len(self.lora.targets.modules)} Linear layers"
-            if self.lora is not None
-            else "full fine-tuning"
-        )
-        log.info(
-            "trainable parameters: %s of %s (%.2f%%; %s)",
-            f"{trainable:,}",
-            f"{total:,}",
-            100.0 * trainable / max(total, 1),
-            what,
-        )
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
