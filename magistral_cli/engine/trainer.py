@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from magistral_cli.config.schema import Recipe
 from magistral_cli.data.packing import segment_mode
-from magistral_cli.errors import CheckFailed, UserError
+from magistral_cli.errors import UserError
 from magistral_cli.ops.attention import resolve_attention, validate_right_padding
 from magistral_cli.ops.context_parallel import check_cp_model, check_cp_recipe, cp_groups_from_mesh
 from magistral_cli.run_record import record_resolved
@@ -44,6 +44,7 @@ from .model import (
     loss_head_sum,
     sequential_positions,
 )
+from .nonfinite import NonFiniteSteps
 from .optim import build_optimizer, clip_grads_, grad_norm_and_sums, lr_at
 from .parallelize import ParallelDims, parallelize_model
 from .profiling import MemoryProfiler, StepProfiler
@@ -52,13 +53,6 @@ from .rng import seed_everything
 from .validate import evaluate, log_validation
 
 log = logging.getLogger("magistral_cli.engine")
-
-
-#: With ``training.skip_nonfinite_steps``, a run stops (exit 1) once this many steps in a row
-#: were skipped, or every step of a run shorter than that: its updates have stopped (weights that
-#: a skipped step does not change stay non-finite for every batch), and a run that goes on would
-#: only save the unchanged model as if it had trained.
-SKIP_LIMIT = 10
 
 
 def read_step_values(
@@ -98,9 +92,6 @@ class Trainer:
         training = recipe.training
         self.started = time.monotonic()
         self.step = 0
-        # skip_nonfinite_steps: steps skipped in this launch, in a row now, the last applied update.
-        self.skipped_steps = self.skip_streak = self.last_applied_step = 0
-        self.skip_limit = SKIP_LIMIT
         if training.output_dir is None:
             raise UserError("training.output_dir is not set; launch with `magistral train`, which sets it")
         self.run_dir = Path(training.output_dir)
@@ -114,6 +105,8 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         self.device, self._owns_process_group = init_distributed(self.device_type)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # Non-finite steps stop the run, or are skipped (training.skip_nonfinite_steps) and counted.
+        self.nonfinite = NonFiniteSteps(training.skip_nonfinite_steps, self.rank)
         self.dims = ParallelDims.from_recipe(recipe, self.world_size)
         check_cp_recipe(recipe)
         # Data parallel x context parallel. The data is sharded over dp only (every rank of a
@@ -181,7 +174,7 @@ class Trainer:
             dp_rank=self.dp_rank,
         )
         self.step = self.checkpoints.load_initial_state()
-        self.last_applied_step = self.step
+        self.nonfinite.last_applied = self.step
         self._data_iter = iter(self.data)
 
         if training.freeze_gc_after_init:
@@ -242,6 +235,11 @@ class Trainer:
 
     def save(self) -> Path:
         return self.checkpoints.save(self.step)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose update was skipped in this launch (``training.skip_nonfinite_steps``)."""
+        return self.nonfinite.skipped
 
     # ------------------------------------------------------------------ training
     def _next_micro_batch(self) -> dict[str, torch.Tensor]:
@@ -375,12 +373,12 @@ class Trainer:
         finite = math.isfinite(host["grad_norm"]) and math.isfinite(host["loss_sum"])
         skipped = False
         if not finite:
-            self._non_finite(host["grad_norm"], host["loss_sum"], lr)
+            self.nonfinite.not_finite(self.step + 1, host["grad_norm"], host["loss_sum"], lr)
             skipped = True
         else:
             clip_grads_(self.trainable, self.recipe.training.clip_grad, grad_norm)
             self.optimizer.step()
-            self.skip_streak, self.last_applied_step = 0, self.step + 1
+            self.nonfinite.applied(self.step + 1)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return {
@@ -390,30 +388,6 @@ class Trainer:
             "skipped": skipped,
             "host": host,
         }
-
-    def _non_finite(self, grad_norm: float, loss_sum: float, lr: float) -> None:
-        """Stop the run at a non-finite step (exit 1), or log it when ``training.skip_nonfinite_steps``."""
-        step = self.step + 1
-        what = f"step {step}: loss sum {loss_sum}, gradient norm {grad_norm} (lr {lr:g})"
-        if not self.recipe.training.skip_nonfinite_steps:
-            raise CheckFailed(
-                f"{what} is not finite; the update was not applied and no checkpoint was written after it. "
-                "Lower training.lr or check the data; training.skip_nonfinite_steps=true skips such steps instead"
-            )
-        self.skipped_steps += 1
-        self.skip_streak += 1
-        if self.rank == 0:
-            log.warning("%s is not finite: update skipped (training.skip_nonfinite_steps)", what)
-        if self.skip_streak >= self.skip_limit:  # the same on every rank: the values are all-reduced
-            first = step - self.skip_streak + 1
-            last = self.last_applied_step
-            raise CheckFailed(
-                f"steps {first}-{step}: {self.skip_streak} steps in a row had a non-finite loss or gradient norm "
-                "and were skipped (training.skip_nonfinite_steps), so the run stopped: the model has not changed "
-                f"since step {last} ({'its last applied update' if last else 'the weights it started from'}) "
-                "and no checkpoint was written after that step. Lower training.lr or check the data and "
-                "training.load, then launch again: the run resumes from its last checkpoint"
-            )
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
         """One optimizer step; returns device tensors and the lr (one host synchronisation: the finiteness check)."""
@@ -482,7 +456,7 @@ class Trainer:
         mem_profiler = MemoryProfiler(tools.memory_profile, self.run_dir, self.rank, self.device_type)
         stop = training.train_iters if max_steps is None else min(training.train_iters, self.step + max_steps)
         # Skipped steps stop the run at SKIP_LIMIT in a row, or when every step of a shorter run is.
-        self.skip_limit = max(1, min(SKIP_LIMIT, stop - self.step))
+        self.nonfinite.limit_run(stop - self.step)
         records: list[dict[str, Any]] = []
         last_saved = last_evaluated = self.step
         save_due = False  # a checkpoint held back while its step's update was skipped
@@ -527,11 +501,11 @@ class Trainer:
                     and step % training.save_interval == 0
                 ):
                     save_due = True
-                    if self.skip_streak and is_rank0:
+                    if self.nonfinite.streak and is_rank0:
                         log.warning(
                             "step %d was skipped: its checkpoint waits for the next applied update", step
                         )
-                if save_due and not self.skip_streak:
+                if save_due and not self.nonfinite.streak:
                     # Never a checkpoint inside a run of skipped steps: one that reaches SKIP_LIMIT
                     # stops the run, and the newest checkpoint is then an update that was applied.
                     path = self.save()
@@ -581,8 +555,8 @@ class Trainer:
                     steps=self.step,
                     wall_s=time.monotonic() - self.started,
                     exit_status=exit_status,
-                    skipped_steps=self.skipped_steps,
-                    last_applied_step=self.last_applied_step,
+                    skipped_steps=self.nonfinite.skipped,
+                    last_applied_step=self.nonfinite.last_applied,
                     **extra,
                 )
         finally:

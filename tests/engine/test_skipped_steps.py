@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from magistral_cli.engine import checkpoint as ckpt
-from magistral_cli.engine.trainer import SKIP_LIMIT, Trainer
+from magistral_cli.engine.nonfinite import SKIP_LIMIT
+from magistral_cli.engine.trainer import Trainer
 from magistral_cli.errors import CheckFailed
 
 from .helpers import make_recipe, write_tiny_model
