@@ -66,6 +66,37 @@ def throughput(flops: int, tokens: int, step_s: float, world_size: int, peak: fl
     }
 
 
+def step_record(
+    step: int, loss: float, host: dict[str, Any], lr: float, skipped: bool, device_type: str
+) -> dict[str, Any]:
+    """A training step's metrics.jsonl record from the values its one synchronisation read back
+    (``host``: ``grad_norm``, ``counts`` = targets, tokens, model FLOPs in ``FLOP_UNIT``s) and its
+    logged ``loss``; ``add_step_time`` fills in the timing when the step is logged."""
+    _, tokens, flop_units = host["counts"]
+    record = {
+        "step": step,
+        "loss": loss,
+        "grad_norm": host["grad_norm"],
+        "lr": lr,
+        "step_time_ms": None,
+        "tokens": tokens,
+        "tokens_per_s": None,
+        "model_flops": flop_units * FLOP_UNIT,  # the step's, all dp ranks (not a metrics.jsonl field)
+    }
+    if skipped:
+        record["skipped"] = True
+    record.update(memory_stats(device_type))
+    return record
+
+
+def add_step_time(record: dict[str, Any], elapsed: float, world_size: int, peak: float | None) -> None:
+    """A record's mean step time ``elapsed`` (seconds), tokens/s, and model TFLOP/s per device over
+    every rank (dp x cp) with MFU against ``peak`` (``throughput``)."""
+    record["step_time_ms"] = round(elapsed * 1000, 2)
+    record["tokens_per_s"] = round(record["tokens"] / elapsed, 1) if elapsed > 0 else None
+    record.update(throughput(record["model_flops"], record["tokens"], elapsed, world_size, peak))
+
+
 def memory_stats(device_type: str) -> dict[str, Any]:
     """Peak allocated / reserved MiB since the last call, and allocation retries (None on the CPU)."""
     mod = device_module(device_type)

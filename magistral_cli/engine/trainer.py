@@ -29,10 +29,10 @@ from .metrics import (
     FLOP_UNIT,
     MetricsFile,
     Progress,
-    memory_stats,
+    add_step_time,
     micro_batch_flops,
     peak_tflops,
-    throughput,
+    step_record,
     write_summary,
 )
 from .model import (
@@ -421,22 +421,10 @@ class Trainer:
         host = out.get("host")
         if host is None or host["counts"] is None:
             host = read_step_values(out["grad_norm"], out["global_loss_sum"], out["counts"])
-        targets, tokens, flop_units = host["counts"]
-        loss_sum, grad_norm = host["loss_sum"], host["grad_norm"]
-        record = {
-            "step": self.step,
-            "loss": self.logged_loss(loss_sum, targets),
-            "grad_norm": grad_norm,
-            "lr": float(out["lr"]),
-            "step_time_ms": None,
-            "tokens": tokens,
-            "tokens_per_s": None,
-            "model_flops": flop_units * FLOP_UNIT,  # the step's, all dp ranks (not a metrics.jsonl field)
-        }
-        if out.get("skipped"):
-            record["skipped"] = True
-        record.update(memory_stats(self.device_type))
-        return record
+        loss = self.logged_loss(host["loss_sum"], host["counts"][0])
+        return step_record(
+            self.step, loss, host, float(out["lr"]), bool(out.get("skipped")), self.device_type
+        )
 
     def train(self, max_steps: int | None = None) -> list[dict[str, Any]]:
         """Train to ``training.train_iters`` (or ``max_steps`` more steps); return the logged records."""
@@ -476,12 +464,7 @@ class Trainer:
                     record = self._record(out)
                     # Mean step time since the last logged step (steps in between are not synced).
                     elapsed = (time.perf_counter() - interval_start - paused) / interval_steps
-                    record["step_time_ms"] = round(elapsed * 1000, 2)
-                    record["tokens_per_s"] = round(record["tokens"] / elapsed, 1) if elapsed > 0 else None
-                    # Model TFLOP/s per device over every rank (dp x cp), and MFU against ``peak``.
-                    record.update(
-                        throughput(record["model_flops"], record["tokens"], elapsed, self.world_size, peak)
-                    )
+                    add_step_time(record, elapsed, self.world_size, peak)
                     records.append(record)
                     if metrics is not None:
                         metrics.write(record)
