@@ -1,5 +1,6 @@
-"""A host micro-batch on its way into the model: which entries go to the device (``to_device``) and
-the ``per_sample_loss`` weights of its tokens (``per_sample_weights``); training and validation share both."""
+"""A host micro-batch on its way into the model: the checks a training step makes of it on the host
+(``check_micro_batch``), which entries go to the device (``to_device``) and the ``per_sample_loss``
+weights of its tokens (``per_sample_weights``, shared by training and validation)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,29 @@ from typing import Any
 
 import torch
 
+from magistral_cli.errors import UserError
+from magistral_cli.ops.attention import validate_right_padding
 from magistral_cli.ops.packed_attention import packed_inputs
 from magistral_cli.runtime import host_to_device
 
+from .model import check_image_tokens, sequential_positions
+
 #: Batch entries the model reads on the host.
 HOST_KEYS = frozenset({"image_sizes"})
+
+
+def check_micro_batch(mb: dict[str, torch.Tensor], model_config, *, context_parallel: bool) -> None:
+    """A training micro-batch's host-side checks (no device sync): right padding (a UserError under
+    context parallelism), image tokens that match its images, and 0..L-1 positions when unpacked."""
+    try:
+        validate_right_padding(mb["attention_mask"])
+    except ValueError as exc:
+        if not context_parallel:
+            raise
+        raise UserError(f"context parallelism: {exc}") from None
+    check_image_tokens(model_config, mb["input_ids"], mb.get("image_sizes"))
+    if "cu_seqlens" not in mb and "position_ids" in mb and not sequential_positions(mb["position_ids"]):
+        raise ValueError("an unpacked micro-batch's position_ids must be 0..L-1 in every row")
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:

@@ -16,14 +16,14 @@ import torch.distributed as dist
 from magistral_cli.config.schema import Recipe
 from magistral_cli.data.packing import segment_mode
 from magistral_cli.errors import UserError
-from magistral_cli.ops.attention import resolve_attention, validate_right_padding
+from magistral_cli.ops.attention import resolve_attention
 from magistral_cli.ops.context_parallel import check_cp_model, check_cp_recipe, cp_groups_from_mesh
 from magistral_cli.run_record import record_resolved
 from magistral_cli.runtime import host_to_device, init_distributed, resolve_device_type
 
 from . import checkpoint as ckpt
 from . import lora as lora_mod
-from .batch import per_sample_weights, to_device
+from .batch import check_micro_batch, per_sample_weights, to_device
 from .data import DataSource, build_data, build_val_data
 from .metrics import (
     FLOP_UNIT,
@@ -37,12 +37,10 @@ from .metrics import (
 )
 from .model import (
     build_model,
-    check_image_tokens,
     install_loss_head,
     load_model_config,
     log_parameter_counts,
     loss_head_sum,
-    sequential_positions,
 )
 from .nonfinite import NonFiniteSteps
 from .optim import build_optimizer, clip_grads_, grad_norm_and_sums, lr_at
@@ -273,19 +271,7 @@ class Trainer:
             # Host-side checks and counts: the batches are still on the CPU, so no device sync.
             # Every rank of a CP group holds the same micro-batches: counting over dp counts
             # each token once.
-            try:
-                validate_right_padding(mb["attention_mask"])
-            except ValueError as exc:
-                if self.cp_groups is None:
-                    raise
-                raise UserError(f"context parallelism: {exc}") from None
-            check_image_tokens(self.model_config, mb["input_ids"], mb.get("image_sizes"))
-            if (
-                "cu_seqlens" not in mb
-                and "position_ids" in mb
-                and not sequential_positions(mb["position_ids"])
-            ):
-                raise ValueError("an unpacked micro-batch's position_ids must be 0..L-1 in every row")
+            check_micro_batch(mb, self.model_config, context_parallel=self.cp_groups is not None)
             targets.append(int((mb["labels"][:, 1:] != -100).sum()))
             local[0] += targets[-1]
             local[1] += mb["attention_mask"].sum()
