@@ -128,6 +128,25 @@ class _SyntheticSamples:
         return self.batches.sample(index)
 
 
+def build_sources(
+    recipe: Recipe, *, data: DataSource | None, val_data, dp_rank: int, dp_size: int, vocab_size: int
+) -> tuple[DataSource, ValBatches | None]:
+    """The trainer's training source and validation split: ``data`` / ``val_data`` when given (tests
+    pass ``SyntheticBatches``), else ``build_data`` / ``build_val_data`` of the recipe."""
+    if data is None:
+        data = build_data(recipe, dp_rank=dp_rank, dp_size=dp_size, vocab_size=vocab_size)
+    if val_data is None:
+        val_data = build_val_data(
+            recipe,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            vocab_size=vocab_size,
+            # the encoded dataset the training loader reads (no second cache lookup)
+            dataset=getattr(getattr(data, "dataset", None), "encoded", None),
+        )
+    return data, val_data
+
+
 def _prepared(recipe: Recipe) -> EncodedDataset:
     """The cache entry the training source was built from (rank 0 first, as in ``build_data``),
     never encoded again: ``overwrite_cache`` is for the first lookup only."""

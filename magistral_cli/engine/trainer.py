@@ -24,7 +24,7 @@ from magistral_cli.runtime import host_to_device, init_distributed, resolve_devi
 from . import checkpoint as ckpt
 from . import lora as lora_mod
 from .batch import check_micro_batch, per_sample_weights, to_device
-from .data import DataSource, build_data, build_val_data
+from .data import DataSource, build_sources
 from .metrics import (
     FLOP_UNIT,
     MetricsFile,
@@ -140,24 +140,15 @@ class Trainer:
             record_resolved(
                 self.run_dir, adamw=self.optimizer.adamw_choice, attn_implementation=self.attn_implementation
             )
-        vocab = self.model.config.text_config.vocab_size
-        self.data = (
-            data
-            if data is not None
-            else build_data(recipe, dp_rank=self.dp_rank, dp_size=self.dims.dp, vocab_size=vocab)
-        )
-        # The validation split (data.dataset_param.basic_parameters.val_size), or None.
-        self.val_data = (
-            val_data
-            if val_data is not None
-            else build_val_data(
-                recipe,
-                dp_rank=self.dp_rank,
-                dp_size=self.dims.dp,
-                vocab_size=vocab,
-                # the encoded dataset the training loader reads (no second cache lookup)
-                dataset=getattr(getattr(self.data, "dataset", None), "encoded", None),
-            )
+        # The training data and the validation split (``data.dataset_param.basic_parameters.val_size``,
+        # or None); ``data`` / ``val_data`` replace the recipe's.
+        self.data, self.val_data = build_sources(
+            recipe,
+            data=data,
+            val_data=val_data,
+            dp_rank=self.dp_rank,
+            dp_size=self.dims.dp,
+            vocab_size=self.model.config.text_config.vocab_size,
         )
         # The resume policy and the checkpoints' state: what this run starts from.
         self.checkpoints = CheckpointManager(
