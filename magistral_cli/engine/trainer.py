@@ -17,7 +17,7 @@ from magistral_cli.config.schema import Recipe
 from magistral_cli.data.packing import segment_mode
 from magistral_cli.errors import UserError
 from magistral_cli.ops.attention import resolve_attention
-from magistral_cli.ops.context_parallel import check_cp_model, check_cp_recipe, cp_groups_from_mesh
+from magistral_cli.ops.context_parallel import check_cp_model, cp_groups_from_mesh
 from magistral_cli.run_record import record_resolved
 from magistral_cli.runtime import host_to_device, init_distributed, resolve_device_type
 
@@ -106,7 +106,6 @@ class Trainer:
         # Non-finite steps stop the run, or are skipped (training.skip_nonfinite_steps) and counted.
         self.nonfinite = NonFiniteSteps(training.skip_nonfinite_steps, self.rank)
         self.dims = ParallelDims.from_recipe(recipe, self.world_size)
-        check_cp_recipe(recipe)
         # Data parallel x context parallel. The data is sharded over dp only (every rank of a
         # CP group reads the same micro-batches); FSDP2 shards the model over dp x cp.
         self.meshes = self.dims.build_mesh(self.device_type)
@@ -119,13 +118,10 @@ class Trainer:
         self.loss_type = recipe.features.loss_cfg.loss_type
         # Packing (plain or neat) runs the packed attention: explicit segments on every device.
         self.segments = segment_mode(recipe)
+        # One sample per micro-batch: the same loss, the plain path (per_sample_loss with CP and more
+        # samples is refused by the recipe schema).
         if self.loss_type == "per_sample_loss" and training.micro_batch_size == 1:
-            self.loss_type = "default"  # one sample per micro-batch: the same loss, the plain path
-        if self.loss_type == "per_sample_loss" and self.cp_groups is not None:
-            raise UserError(
-                "features.loss_cfg.loss_type=per_sample_loss with context parallelism needs "
-                "training.micro_batch_size=1 (then it equals 'default'); or use default / per_token_loss"
-            )
+            self.loss_type = "default"
         seed_everything(training.seed, self.device_type)
         if training.manual_gc_interval:
             gc.disable()

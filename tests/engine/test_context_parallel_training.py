@@ -15,7 +15,7 @@ import pytest
 from magistral_cli.engine.parallelize import ParallelDims
 from magistral_cli.engine.trainer import Trainer
 from magistral_cli.errors import UserError
-from magistral_cli.ops.context_parallel import check_cp_model, check_cp_recipe, cp_communication_count
+from magistral_cli.ops.context_parallel import check_cp_model, cp_communication_count
 from magistral_cli.runtime import spawn_ranks
 
 from .helpers import make_recipe, write_tiny_model
@@ -139,8 +139,7 @@ def test_ulysses_and_ring_training_equal_cp1_and_resume_exactly(tmp_path):
 
 
 def test_cp_limits_are_errors_before_the_first_step(tmp_path):
-    recipe = make_recipe(tmp_path / "model", tmp_path / "run", CP_ULYSSES)
-    check_cp_recipe(recipe)  # the plain CP recipe passes
+    make_recipe(tmp_path / "model", tmp_path / "run", CP_ULYSSES)  # the plain CP recipe passes the schema
 
     # neat_packing with CP is refused by the recipe schema itself (tests/config/test_recipes.py).
     with pytest.raises(UserError, match="neat_packing with context parallelism"):

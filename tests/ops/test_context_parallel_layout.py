@@ -9,7 +9,6 @@ from magistral_cli.ops.context_parallel import (
     ContextParallelError,
     ContextParallelGroups,
     active_cp_groups,
-    check_cp_recipe,
     context_parallel_forward,
     enable_cp_attention,
     mode_sizes,
@@ -70,20 +69,6 @@ def test_batch_check_of_a_device_mask_does_not_read_it_back():
     validate_cp_batch(torch.tensor([[0, 1, 1, 1]], device="meta"))
     with pytest.raises(ContextParallelError, match="custom masks"):
         validate_cp_batch(torch.ones(1, 1, 4, 4, device="meta"))
-
-
-def test_recipe_check_rejects_scored_padding_with_cp():
-    from magistral_cli.config.schema import Recipe
-    from magistral_cli.errors import UserError
-
-    recipe = Recipe.model_validate({"training": {"train_iters": 1}})
-    recipe.parallel.ulysses_parallel_size = 2
-    check_cp_recipe(recipe)
-    recipe.data.dataloader_param.collate_param.ignore_pad_token_for_loss = False
-    with pytest.raises(UserError, match="ignore_pad_token_for_loss"):
-        check_cp_recipe(recipe)
-    recipe.parallel.ulysses_parallel_size = 1
-    check_cp_recipe(recipe)  # no CP: not this check's business
 
 
 def test_mode_sizes():

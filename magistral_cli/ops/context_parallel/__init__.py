@@ -6,9 +6,9 @@ What the trainer calls (in this order):
    "ulysses")`` and its flattened ``meshes.cp`` and ``meshes.dp_cp``; FSDP2 shards over
    ``meshes.dp_cp``.
 2. ``groups = cp_groups_from_mesh(meshes)``.
-3. ``check_cp_recipe(recipe)`` and ``check_cp_model(text_config, ulysses_size)`` before the first
-   step (padding scored by the loss, heads that Ulysses cannot split; neat_packing with CP is refused by
-   the recipe schema).
+3. ``check_cp_model(text_config, ulysses_size)`` before the first step (heads that Ulysses cannot
+   split). The rules of the recipe alone (padding scored by the loss, per_sample_loss, neat_packing)
+   are the recipe schema's.
 4. ``apply_context_parallel(model, groups, loss_fn=None)``: the CP attention for the language
    model only, and ``model(input_ids=..., labels=..., pixel_values=..., image_sizes=...,
    attention_mask=..., position_ids=..., num_items_in_batch=...)`` then returns a loss equal to
@@ -54,7 +54,6 @@ from magistral_cli.ops.context_parallel.model import (
     ContextParallelOutput,
     apply_context_parallel,
     check_cp_model,
-    check_cp_recipe,
     context_parallel_forward,
     cross_entropy_loss,
     remove_context_parallel,
@@ -73,7 +72,6 @@ __all__ = [
     "apply_context_parallel",
     "build_cp_mesh",
     "check_cp_model",
-    "check_cp_recipe",
     "context_parallel",
     "context_parallel_forward",
     "cp_attention",

@@ -102,21 +102,6 @@ def validate_cp_batch(attention_mask: torch.Tensor | None) -> None:
         )
 
 
-def check_cp_recipe(recipe) -> None:
-    """Errors before the first step for recipe settings that CP cannot run (a ``UserError``)."""
-    from magistral_cli.errors import UserError
-
-    if recipe.parallel.cp_size == 1:
-        return
-    collate = recipe.data.dataloader_param.collate_param
-    if not collate.ignore_pad_token_for_loss:
-        raise UserError(
-            "context parallelism does not score padding tokens, so "
-            "data.dataloader_param.collate_param.ignore_pad_token_for_loss: false would train differently "
-            "from CP=1; set it to true or set both CP sizes to 1"
-        )
-
-
 def check_cp_model(text_config, ulysses_size: int) -> None:
     """Errors before the first step for a model that Ulysses cannot split (a ``UserError``)."""
     heads = text_config.num_attention_heads
