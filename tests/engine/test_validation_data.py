@@ -7,12 +7,10 @@ import random
 from itertools import islice
 
 import numpy as np
-import pytest
 import torch
 
 from magistral_cli.config import validate_recipe
 from magistral_cli.engine.data import build_data, build_val_data
-from magistral_cli.errors import UserError
 
 VOCAB = 512
 
@@ -66,10 +64,3 @@ def test_synthetic_training_batches_are_bit_identical_with_validation():
     expected = list(islice(iter(plain), 6))
     assert all(_equal(a, b) for a, b in zip(first + rest, expected, strict=True))
     assert with_val.state_dict() == plain.state_dict()
-
-
-def test_synthetic_fraction_is_refused():
-    recipe = _synthetic(4)
-    recipe.data.dataset_param.basic_parameters.__dict__["val_size"] = 0.1  # past the schema's check
-    with pytest.raises(UserError, match="val_size.*count"):
-        build_val_data(recipe, dp_rank=0, dp_size=1, vocab_size=VOCAB)
