@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from magistral_cli.errors import CheckFailed
+from magistral_cli.run_record import write_json
 
 from .layout import DCP_METADATA, STEP_DIR, latest_name, list_checkpoints
 
@@ -84,12 +85,7 @@ def write_integrity(checkpoint: Path, files: dict[str, dict[str, Any]], step: in
         "step": step,
         "files": dict(sorted(files.items())),
     }
-    path = checkpoint / INTEGRITY
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+    write_json(checkpoint / INTEGRITY, record, fsync=True, check_failed=False)
 
 
 # --------------------------------------------------------------------------- the metadata's own claims

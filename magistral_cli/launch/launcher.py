@@ -26,12 +26,11 @@ from typing import Any
 
 from magistral_cli.config import load_recipe, recipe_to_yaml
 from magistral_cli.config.schema import Recipe
-from magistral_cli.run_record import RESOLVED_CONFIG, RESUME_KEY
+from magistral_cli.run_record import IDENTITY_NAME, RESOLVED_CONFIG, RESUME_KEY, write_json
 from magistral_cli.versions import check_supported_versions
 
 from . import preflight, supervise
 from .device import device_defaults, merge_env
-from .identity import write_json
 from .options import LaunchOptions
 
 
@@ -186,7 +185,7 @@ def _write_run_dir(
         if claim is not None:
             claim.record(dest.run_id, run_dir, shared=dest.shared is not None)
         if options.node_rank == 0:  # the run's record (every node reads the one resolved recipe)
-            write_json(run_dir / "run_identity.json", identity)
+            write_json(run_dir / IDENTITY_NAME, identity)
         (run_dir / RESOLVED_CONFIG).write_text(
             f"# Resolved from {recipe_path} with overrides: {' '.join(overrides) or '(none)'}\n"
             + recipe_to_yaml(recipe),
