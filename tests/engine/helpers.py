@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 #: A small vocabulary keeps the logits (and the tests) cheap; the structure is Magistral's.
@@ -136,3 +138,53 @@ def run_train(recipe: Path, run_dir: Path, *overrides: str, env: dict | None = N
         timeout=600,
         cwd=REPO,
     )
+
+
+def trained_four_steps(root: Path, run_name: str = "run") -> tuple[Path, Path]:
+    """(recipe, run directory) of a finished 2-process run of 4 steps that saved step_2 and step_4
+    (``training.save: checkpoints`` inside the run directory, ``resume: auto``)."""
+    import yaml
+
+    write_tiny_model(root / "model")
+    data = recipe_dict(root / "model", root / "unused", micro_batch_size=1, train_iters=4, save_interval=2)
+    del data["training"]["output_dir"]
+    data["training"]["resume"] = "auto"
+    recipe = root / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(data))
+    done = run_train(recipe, root / run_name)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return recipe, root / run_name
+
+
+def file_digests(directory: Path, *, skip_prefix: str | None = None) -> dict[str, str]:
+    """Every file under ``directory`` with its SHA-256 (names starting with ``skip_prefix`` left out):
+    a tree compared before and after a command shows that nothing in it changed."""
+    import hashlib
+
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and not (skip_prefix and p.name.startswith(skip_prefix))
+    }
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(disk: Path, *options: str):
+    """A tmpfs with mount ``options`` (``size=1m``, ``ro``) at ``disk`` for the block: a real small
+    or read-only disk. Skips the test where it cannot mount (root only)."""
+    import subprocess
+
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", ",".join(options), "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

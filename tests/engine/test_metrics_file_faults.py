@@ -6,12 +6,12 @@ The full-disk cases mount a small tmpfs (root only: skipped with the reason othe
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 
 import pytest
 
 from magistral_cli.engine.metrics import MetricsFile, write_summary
+
+from .helpers import mounted_tmpfs
 
 
 def test_lines_that_are_no_record_of_a_step_are_moved_aside_on_resume(tmp_path):
@@ -40,19 +40,8 @@ def test_lines_that_are_no_record_of_a_step_are_moved_aside_on_resume(tmp_path):
 @pytest.fixture
 def small_disk(tmp_path):
     """A 1 MiB tmpfs at tmp_path/disk."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "disk", "size=1m") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def _fill(disk) -> None:

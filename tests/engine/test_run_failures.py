@@ -5,14 +5,14 @@ shown as the worker raised them, and a status that still gets written on a full 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 
 import pytest
 import torch
 
 from magistral_cli.engine import run
 from magistral_cli.errors import CheckFailed, UserError
+
+from .helpers import mounted_tmpfs
 
 
 def _raised(action) -> BaseException:
@@ -69,16 +69,7 @@ def test_an_error_from_a_data_loader_worker_is_shown_as_the_worker_raised_it():
 
 
 def test_the_status_is_written_over_the_reserve_on_a_full_disk(tmp_path, monkeypatch):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "disk", "size=1m") as disk:
         monkeypatch.setenv("RANK", "1")
         run._reserve_status(str(disk))
         path = disk / run.STATUS_DIR / "rank1.json"
@@ -92,5 +83,3 @@ def test_the_status_is_written_over_the_reserve_on_a_full_disk(tmp_path, monkeyp
         assert (record["rank"], record["exit_status"], record["kind"]) == (1, 1, "check")
         assert record["error"].startswith("eeee") and record["error"].endswith(" ...")
         assert sorted(p.name for p in path.parent.iterdir()) == ["rank1.json"]
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)

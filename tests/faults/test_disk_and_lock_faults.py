@@ -25,7 +25,14 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
-from engine.helpers import recipe_dict, run_train, train_command, train_env, write_tiny_model  # noqa: E402
+from engine.helpers import (  # noqa: E402
+    mounted_tmpfs,
+    recipe_dict,
+    run_train,
+    train_command,
+    train_env,
+    write_tiny_model,
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,19 +50,8 @@ def recipe(tmp_path_factory) -> Path:
 @pytest.fixture
 def small_disk(tmp_path):
     """A 24 MiB tmpfs at tmp_path/disk."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(disk)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "disk", "size=24m") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def _fill(disk: Path) -> Path:

@@ -16,7 +16,6 @@ The disk cases mount a small tmpfs (root only: skipped with the reason otherwise
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -33,7 +32,14 @@ from magistral_cli.engine import checkpoint as ckpt
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
-from engine.helpers import recipe_dict, run_train, train_command, train_env, write_tiny_model  # noqa: E402
+from engine.helpers import (  # noqa: E402
+    mounted_tmpfs,
+    recipe_dict,
+    run_train,
+    train_command,
+    train_env,
+    write_tiny_model,
+)
 
 runner = CliRunner()
 TINY = REPO / "recipes" / "tiny" / "tiny_cpu.yaml"
@@ -104,35 +110,16 @@ def test_an_output_dir_that_is_a_file_exits_2_naming_it(recipe, tmp_path):
     assert afile.read_text() == "keep me"
 
 
-def _mount(disk: Path, *options: str) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    disk.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", ",".join(options), "tmpfs", str(disk)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
-
-
 @pytest.fixture
 def read_only_disk(tmp_path):
-    disk = tmp_path / "ro"
-    _mount(disk, "size=1m", "ro")
-    try:
+    with mounted_tmpfs(tmp_path / "ro", "size=1m", "ro") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 @pytest.fixture
 def small_disk(tmp_path):
-    disk = tmp_path / "disk"
-    _mount(disk, "size=24m")
-    try:
+    with mounted_tmpfs(tmp_path / "disk", "size=24m") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def test_a_run_directory_on_a_read_only_disk_exits_1_naming_it(recipe, read_only_disk):

@@ -9,7 +9,6 @@ launcher's pre-flight, before torchrun starts.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import subprocess
@@ -17,13 +16,17 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
-from engine.helpers import recipe_dict, run_train, train_env, write_tiny_model  # noqa: E402
+from engine.helpers import (  # noqa: E402
+    file_digests,
+    run_train,
+    train_env,
+    trained_four_steps,
+)
 
 OWNER = ".magistral-owner.json"
 
@@ -31,25 +34,12 @@ OWNER = ".magistral-owner.json"
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """(recipe, a finished 2-process run of 4 steps with checkpoints step_2 and step_4)."""
-    root = tmp_path_factory.mktemp("overwrites")
-    write_tiny_model(root / "model")
-    data = recipe_dict(root / "model", root / "unused", micro_batch_size=1, train_iters=4, save_interval=2)
-    del data["training"]["output_dir"]
-    data["training"]["resume"] = "auto"
-    recipe = root / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump(data))
-    done = run_train(recipe, root / "A")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return recipe, root / "A"
+    return trained_four_steps(tmp_path_factory.mktemp("overwrites"), "A")
 
 
 def _tree(directory: Path) -> dict[str, str]:
     """Every file under ``directory`` (lock files aside) with its SHA-256."""
-    return {
-        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file() and not p.name.startswith(".magistral.")
-    }
+    return file_digests(directory, skip_prefix=".magistral.")
 
 
 def _refused(result: subprocess.CompletedProcess, *parts: str) -> str:

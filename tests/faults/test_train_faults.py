@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from magistral_cli.engine import checkpoint as ckpt
 
@@ -22,7 +21,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
-from engine.helpers import recipe_dict, run_train, write_tiny_model  # noqa: E402
+from engine.helpers import run_train, trained_four_steps  # noqa: E402
 
 
 def _rank_logs(run_dir: Path) -> str:
@@ -32,16 +31,7 @@ def _rank_logs(run_dir: Path) -> str:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A 2-process run of 4 steps that saved step_2 and step_4."""
-    root = tmp_path_factory.mktemp("faults")
-    write_tiny_model(root / "model")
-    data = recipe_dict(root / "model", root / "unused", micro_batch_size=1, train_iters=4, save_interval=2)
-    del data["training"]["output_dir"]
-    data["training"]["resume"] = "auto"
-    recipe = root / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump(data))
-    done = run_train(recipe, root / "run")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return recipe, root / "run"
+    return trained_four_steps(tmp_path_factory.mktemp("faults"))
 
 
 def test_bytes_changed_in_the_newest_checkpoint_resume_from_the_previous_one(trained, tmp_path):

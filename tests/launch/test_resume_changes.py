@@ -9,43 +9,28 @@ the decision (``"resume"``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
-from engine.helpers import recipe_dict, run_train, write_tiny_model  # noqa: E402
+from engine.helpers import file_digests, run_train, trained_four_steps  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """(recipe, a finished 2-process run of 4 steps with checkpoints step_2 and step_4)."""
-    root = tmp_path_factory.mktemp("resume_changes")
-    write_tiny_model(root / "model")
-    data = recipe_dict(root / "model", root / "unused", micro_batch_size=1, train_iters=4, save_interval=2)
-    del data["training"]["output_dir"]
-    data["training"]["resume"] = "auto"
-    recipe = root / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump(data))
-    done = run_train(recipe, root / "run")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return recipe, root / "run"
+    return trained_four_steps(tmp_path_factory.mktemp("resume_changes"))
 
 
 def _tree(directory: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file() and not p.name.startswith(".magistral.")
-    }
+    return file_digests(directory, skip_prefix=".magistral.")
 
 
 def _text(result) -> str:
