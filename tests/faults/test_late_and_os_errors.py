@@ -80,6 +80,31 @@ def _nothing_started(run_dir: Path) -> bool:
             ],
             "ignore_pad_token_for_loss: false would train differently from CP=1",
         ),
+        # Rules that the trainer, the CP model hooks or the data pipeline used to check only after
+        # torchrun had started; the recipe schema holds them now.
+        (
+            [
+                "parallel.ulysses_parallel_size=2",
+                "features.loss_cfg.loss_type=per_sample_loss",
+                "training.micro_batch_size=2",
+            ],
+            "per_sample_loss with context parallelism",
+        ),
+        (
+            ["parallel.ulysses_parallel_size=2", f"{BASIC}.neat_packing=true"],
+            "neat_packing with context parallelism",
+        ),
+        (["--nproc-per-node", "3", "parallel.ulysses_parallel_size=2"], "does not divide the world size 3"),
+        (
+            ["parallel.fully_shard_parallel_size=4"],
+            "parallel.fully_shard_parallel_size is 4 but world size 2",
+        ),
+        ([f"{BASIC}.val_size=0.1"], "has no dataset size to take a fraction of"),
+        (
+            ["training.micro_batch_size=0"],
+            "training.micro_batch_size: Input should be greater than or equal to 1",
+        ),
+        (["training.eval_interval=1"], "training.eval_interval needs a validation split"),
     ],
 )
 def test_a_dry_run_stops_with_exit_2_before_torchrun(recipe, tmp_path, overrides, message):
