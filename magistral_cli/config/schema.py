@@ -229,6 +229,11 @@ class DatasetAttr(Section):
     system_tag: Optional[str] = Field(
         None, description="Role value of system messages inside the conversation."
     )
+    reasoning_tag: Optional[str] = Field(
+        "reasoning_content",
+        description="Addition. Key of an assistant message's reasoning, beside its content (encoded as "
+        "[THINK]reasoning[/THINK] before the answer; empty or null = none); null reads no such key.",
+    )
     formatting: Literal["alpaca", "sharegpt", "auto"] = Field(
         "auto",
         description="Addition. Record style; auto detects LLaVA 'messages' or ShareGPT 'conversations'.",
@@ -380,6 +385,11 @@ class BasicParameters(Section):
         ),
     )
     train_on_prompt: bool = Field(False, description="Also train on prompt tokens.")
+    train_on_reasoning: bool = Field(
+        True,
+        description="Addition. Train on the reasoning of assistant turns ([THINK] ... [/THINK], markers "
+        "included; tokenizer v13). false masks it: the loss sees only the answer after it.",
+    )
     mask_history: bool = Field(False, description="Train on the last assistant turn only.")
     tool_format: Optional[str] = Field(None, description="Tool-call format (unused by the mistral template).")
     dataset_dir: Optional[str] = Field(None, description="Directory that image paths are relative to.")

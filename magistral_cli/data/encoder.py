@@ -13,6 +13,12 @@ counted per sample for the report, and a sample whose text would make ``[IMG]``,
 ``[IMG_BREAK]`` or ``[IMG_END]`` is dropped: only an image may produce those. Image paths that
 lead outside ``dataset_dir`` (``../``, absolute, or through a symlink) are counted, or dropped
 with ``allow_outside_dataset_dir: false``.
+
+An assistant turn's reasoning (any of the layouts in ``readers``) is ``[THINK]...[/THINK]`` with
+both markers as control tokens, as mistral-common's v13 encodes a ``ThinkChunk``; its labels are
+ignored, markers included, with ``train_on_reasoning: false``. Reasoning with a tokenizer that
+cannot encode it (older than v13) stops preprocessing with a ``UserError`` naming the row: the
+reasoning would otherwise become text the model never learnt to write.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class EncodeParams:
     default_system: str  # resolved: "" = no system prompt (see template.resolve_default_system)
     dataset_dir: str
     allow_outside_dataset_dir: bool = True
+    train_on_reasoning: bool = True
 
     @classmethod
     def from_recipe(cls, recipe, dataset_dir: Path) -> EncodeParams:
@@ -61,6 +68,7 @@ class EncodeParams:
             default_system=template.resolve_default_system(basic.default_system),
             dataset_dir=str(dataset_dir),
             allow_outside_dataset_dir=basic.allow_outside_dataset_dir,
+            train_on_reasoning=basic.train_on_reasoning,
         )
 
 
@@ -79,6 +87,7 @@ class EncodedSample:
     # many of its images lie outside dataset_dir.
     text_control_tokens: dict[str, int] = field(default_factory=dict)
     outside_images: int = 0
+    reasoning_tokens: int = 0  # tokens of its [THINK] ... [/THINK] spans (markers included), after truncation
 
 
 def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple[int, int]:
@@ -96,28 +105,45 @@ def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple[int
 
 
 def truncate_pairs(
-    pairs: list[tuple[list[int], list[int]]], params: EncodeParams
-) -> tuple[list[int], list[int]]:
-    """Join (prompt, response) id pairs into ids and labels within ``cutoff_len``."""
+    pairs: list[tuple[list[int], list[int]]],
+    params: EncodeParams,
+    reasoning: list[list[bool]] | None = None,
+) -> tuple[list[int], list[int], int]:
+    """Join (prompt, response) id pairs into ids and labels within ``cutoff_len``.
+
+    ``reasoning[i][j]``: token ``j`` of response ``i`` is reasoning (its label is ignored unless
+    ``train_on_reasoning``). Returns the ids, the labels and how many reasoning tokens were kept.
+    """
     input_ids: list[int] = []
     labels: list[int] = []
-    total = 0
-    ordered = pairs[::-1] if params.mask_history else pairs  # last turns first with mask_history
-    for turn, (source, target) in enumerate(ordered):
+    total = kept_reasoning = 0
+    masks = reasoning if reasoning is not None else [[False] * len(target) for _, target in pairs]
+    ordered = list(zip(pairs, masks, strict=True))
+    if params.mask_history:  # last turns first
+        ordered.reverse()
+    for turn, ((source, target), mask) in enumerate(ordered):
         if total >= params.cutoff_len:
             break
         source_len, target_len = infer_seqlen(len(source), len(target), params.cutoff_len - total)
-        source, target = source[:source_len], target[:target_len]
+        source, target, mask = source[:source_len], target[:target_len], mask[:target_len]
         total += source_len + target_len
+        kept_reasoning += sum(mask)
         source_label = list(source) if params.train_on_prompt else [IGNORE_INDEX] * source_len
-        target_label = [IGNORE_INDEX] * target_len if params.mask_history and turn != 0 else list(target)
+        if params.mask_history and turn != 0:
+            target_label = [IGNORE_INDEX] * target_len
+        elif params.train_on_reasoning:
+            target_label = list(target)
+        else:
+            target_label = [
+                IGNORE_INDEX if masked else token for token, masked in zip(target, mask, strict=True)
+            ]
         if params.mask_history:
             input_ids = source + target + input_ids
             labels = source_label + target_label + labels
         else:
             input_ids += source + target
             labels += source_label + target_label
-    return input_ids, labels
+    return input_ids, labels, kept_reasoning
 
 
 #: Part of the cache fingerprint: bump it when the same inputs would encode differently, so that
@@ -126,7 +152,9 @@ def truncate_pairs(
 #: 3: a sample without a system message gets the seed template's default system prompt.
 #: 4: data text is plain text by default; the default system prompt's [THINK] markers are control
 #: tokens in both split_special_tokens modes; image tokens from data text drop the sample.
-ENCODER_REVISION = 4
+#: 5: an assistant turn's reasoning (reasoning_content, thinking chunks, literal [THINK] markers
+#: under tokenizer v13) is [THINK]...[/THINK] with control-token markers.
+ENCODER_REVISION = 5
 
 #: What a control-token string looks like (every Tekken control token: ``[INST]``, ``</s>``,
 #: ``<SPECIAL_20>``); a match is counted only if the vocabulary has it as a control token.
@@ -160,6 +188,7 @@ class Encoder:
         ) | frozenset(self._image_ids)
         self._text_is_text = tokenizer.split_special_tokens
         self._default_system_ids = template.default_system_ids(tokenizer, params.default_system)
+        self._think_ids = tokenizer.think_ids
 
     # -- data text -----------------------------------------------------------------------------
     def _count_control_strings(self, text: str, found: Counter) -> None:
@@ -220,7 +249,10 @@ class Encoder:
     # -- rows ----------------------------------------------------------------------------------
     def encode_rows(self, rows: list[RowSource]) -> list[EncodedSample | Drop]:
         """Encode a batch of rows (text of the whole batch is tokenized in one call)."""
-        convs: list[Conversation | Drop] = [normalize_record(row, self.fmt, self.dataset_dir) for row in rows]
+        markers = self._think_ids is not None
+        convs: list[Conversation | Drop] = [
+            normalize_record(row, self.fmt, self.dataset_dir, think_markers=markers) for row in rows
+        ]
         sizes: list[list[tuple[int, int]] | Drop | None] = []
         notes: list[tuple[Counter, int] | None] = []
         texts: list[str] = []
@@ -229,6 +261,8 @@ class Encoder:
                 sizes.append(None)
                 notes.append(None)
                 continue
+            if conv.has_reasoning and not markers:
+                raise self._no_reasoning_error(rows[i].index)
             conv_sizes = []
             outside = 0
             for path in conv.images:
@@ -254,7 +288,7 @@ class Encoder:
             data_texts = [conv.system] if conv.system else []
             for _, prompt, response in conv.turns:
                 data_texts.extend(piece for piece in iter_segments(prompt) if piece is not None)
-                data_texts.append(response)
+                data_texts.extend(part.text for part in response)
             if self._text_is_text:
                 for text in data_texts:
                     self._count_control_strings(text, found)
@@ -267,6 +301,15 @@ class Encoder:
             else:
                 results.append(self._assemble(row.index, conv, conv_sizes, encoded, *note))
         return results
+
+    def _no_reasoning_error(self, index: int) -> UserError:
+        field = f"{self.fmt.reasoning} or a thinking chunk" if self.fmt.reasoning else "a thinking chunk"
+        return UserError(
+            f"row {index}: an assistant turn carries reasoning ({field}) but the tokenizer "
+            f"({self.tokenizer.describe()}) has no [THINK] / [/THINK] control tokens; reasoning needs tokenizer "
+            "v13 or later (Magistral-Small-2509's). Use the model's own tekken.json (`magistral fetch`), or "
+            "remove the reasoning from the data"
+        )
 
     def _outside_drop(self, path: str, real: str) -> Drop:
         where = path if real == path else f"{path} (really {real})"
@@ -294,7 +337,8 @@ class Encoder:
         system_ids = data_ids("the system prompt") if conv.system else self._default_system_ids
         sizes = iter(image_sizes)
         pairs: list[tuple[list[int], list[int]]] = []
-        for turn, (role, prompt, _response) in enumerate(conv.turns):
+        reasoning: list[list[bool]] = []
+        for turn, (role, prompt, response) in enumerate(conv.turns):
             content: list[int] = []
             for piece in iter_segments(prompt):
                 if piece is None:
@@ -307,12 +351,26 @@ class Encoder:
             source = template.prompt_ids(special, role, content)
             if turn == 0:
                 source = template.prefix_ids(special, system_ids) + source
-            pairs.append((source, template.response_ids(special, data_ids(f"assistant turn {turn}"))))
+            target: list[int] = []
+            in_reasoning: list[bool] = []
+            for part in response:
+                if part.thinking:
+                    ids = template.reasoning_ids(
+                        self._think_ids, data_ids(f"assistant turn {turn}'s reasoning")
+                    )
+                else:
+                    ids = data_ids(f"assistant turn {turn}")
+                target += ids
+                in_reasoning += [part.thinking] * len(ids)
+            target = template.response_ids(special, target)
+            in_reasoning += [False] * (len(target) - len(in_reasoning))
+            pairs.append((source, target))
+            reasoning.append(in_reasoning)
         if problem is not None:
             return problem
 
         full_length = sum(len(s) + len(t) for s, t in pairs)
-        input_ids, labels = truncate_pairs(pairs, self.params)
+        input_ids, labels, reasoning_tokens = truncate_pairs(pairs, self.params, reasoning)
         ids = np.asarray(input_ids, dtype=np.int32)
         truncated = len(input_ids) < full_length
         if truncated:
@@ -340,4 +398,5 @@ class Encoder:
             truncated=truncated,
             text_control_tokens=dict(found),
             outside_images=outside,
+            reasoning_tokens=reasoning_tokens,
         )

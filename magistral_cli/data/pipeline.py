@@ -176,8 +176,9 @@ def _init_worker(tokenizer_str: str, tokenizer_meta: dict, settings, params, fmt
         backend,
         tokenizer_meta["special"],
         tokenizer_meta["source"],
-        {},
+        tokenizer_meta["files"],
         tokenizer_meta["split_special_tokens"],
+        tokenizer_meta["version"],
     )
     _WORKER["encoder"] = Encoder(tok, settings, params, fmt)
 
@@ -194,7 +195,13 @@ def _chunks(rows: list[RowSource], size: int) -> list[list[RowSource]]:
 def _encode_all(plan: PreprocessPlan, rows: list[RowSource], progress: Callable[[int], None]):
     """Yield per-chunk results in dataset order, over ``plan.workers`` processes."""
     tok = plan.tokenizer
-    meta = {"special": tok.special, "source": tok.source, "split_special_tokens": tok.split_special_tokens}
+    meta = {
+        "special": tok.special,
+        "source": tok.source,
+        "split_special_tokens": tok.split_special_tokens,
+        "version": tok.version,
+        "files": tok.files,
+    }
     init_args = (tok.to_str(), meta, plan.settings, plan.params, plan.fmt)
     workers = max(1, min(plan.workers, len(rows) // 64 or 1))
     # Small chunks keep the workers balanced and the progress bar moving; larger ones amortize IPC.
@@ -255,7 +262,10 @@ def run_preprocess(
         started = time.perf_counter()
         rows = read_rows(plan.dataset, plan.max_samples)
         writer = cache_mod.CacheWriter()
-        notes = SampleNotes(split_special_tokens=plan.tokenizer.split_special_tokens)
+        notes = SampleNotes(
+            split_special_tokens=plan.tokenizer.split_special_tokens,
+            train_on_reasoning=plan.params.train_on_reasoning,
+        )
         for part in _encode_all(plan, rows, _counter(progress, len(rows))):
             for item in part:
                 if isinstance(item, EncodedSample):

@@ -11,6 +11,15 @@ ShareGPT records use ``conversations`` with ``from`` / ``value`` (``human``, ``g
 ``data.dataset_param.attr`` maps the column and role names. Every ``<image>`` placeholder
 takes the next image of the record, in order.
 
+An assistant message may carry its reasoning in one of three layouts, all read into the same
+:class:`ReplyPart` list (and encoded as mistral-common's ``ThinkChunk``):
+
+- a ``reasoning_content`` field beside ``content`` (``attr.reasoning_tag``; empty or null = none);
+- content chunks ``[{"type": "thinking", "thinking": "..."}, {"type": "text", "text": "..."}]``
+  (mistral-common's; ``thinking`` may also be a list of text chunks, as Mistral's API writes it);
+- literal ``[THINK]...[/THINK]`` in the text, read as reasoning only where the tokenizer has them
+  as control tokens (tokenizer v13); with an older one they stay text, as mistral-common keeps them.
+
 Nothing here raises on a bad row: :func:`normalize_record` returns a :class:`Drop` naming
 the reason, so that the report can count them and ``--strict`` can name the row.
 """
@@ -18,12 +27,15 @@ the reason, so that the report can count them and ``--strict`` can name the row.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from magistral_cli.errors import UserError
+
+from .tokenizer import THINK_TOKENS
 
 IMAGE_PLACEHOLDER = "<image>"
 
@@ -37,6 +49,9 @@ DROP_REASONS = {
     "bad_turn_order": "messages do not alternate user/assistant (after an optional system message)",
     "missing_assistant": "the conversation does not end with an assistant turn",
     "empty_assistant": "an assistant turn is empty",
+    "malformed_reasoning": "an assistant turn's reasoning is not closed [THINK] ... [/THINK] blocks (a marker "
+    "unpaired or nested, or inside the reasoning text; a thinking chunk with closed: false; reasoning_content "
+    "beside thinking in the content)",
     "image_count_mismatch": "the number of <image> placeholders differs from the number of images",
     "image_in_assistant_turn": "an <image> placeholder is inside an assistant turn",
     "missing_image": "an image file does not exist",
@@ -59,13 +74,26 @@ class Drop:
     detail: str
 
 
+@dataclass(frozen=True)
+class ReplyPart:
+    """A piece of an assistant turn: text, or reasoning (``[THINK]`` ... ``[/THINK]``)."""
+
+    text: str
+    thinking: bool = False
+
+
 @dataclass
 class Conversation:
     """A record in the template's terms: system prompt, (prompt, response) turns, image paths."""
 
     system: str | None
-    turns: list[tuple[str, str, str]]  # (prompt role: user|observation, prompt text, response text)
+    # (prompt role: user|observation, prompt text, the response's parts in order)
+    turns: list[tuple[str, str, tuple[ReplyPart, ...]]]
     images: list[str] = field(default_factory=list)  # resolved paths, in placeholder order
+
+    @property
+    def has_reasoning(self) -> bool:
+        return any(part.thinking for _, _, reply in self.turns for part in reply)
 
 
 @dataclass(frozen=True)
@@ -199,6 +227,7 @@ class RecordFormat:
     observation: str
     function: str
     system_role: str
+    reasoning: str | None  # the assistant message's reasoning field (reasoning_content)
     sharegpt_fallback: bool  # auto: use ``conversations`` with from/value when ``messages`` is absent
 
     @classmethod
@@ -220,6 +249,7 @@ class RecordFormat:
             observation=attr.observation_tag or "observation",
             function=attr.function_tag or "function_call",
             system_role=attr.system_tag or "system",
+            reasoning=attr.reasoning_tag,
             sharegpt_fallback=attr.formatting == "auto" and "messages" not in attr.model_fields_set,
         )
 
@@ -239,8 +269,117 @@ def _resolve_image(path: Any, dataset_dir: Path) -> str | Drop:
     return str(resolved)
 
 
-def normalize_record(row: RowSource, fmt: RecordFormat, dataset_dir: Path) -> Conversation | Drop:
-    """Turn one record into a :class:`Conversation`, or say why it cannot be used."""
+_THINK_SPLIT = re.compile("(" + "|".join(re.escape(token) for token in THINK_TOKENS) + ")")
+_MALFORMED_FIX = "close every [THINK] with a [/THINK], one block at a time"
+
+
+def _split_think_markers(text: str, position: int) -> list[ReplyPart] | Drop:
+    """``text`` with literal ``[THINK]...[/THINK]`` blocks read as reasoning parts."""
+    begin, end = THINK_TOKENS
+    parts: list[ReplyPart] = []
+    thinking: str | None = None  # the open block's text
+    for piece in _THINK_SPLIT.split(text):
+        if piece == begin:
+            if thinking is not None:
+                return Drop(
+                    "malformed_reasoning",
+                    f"message {position} opens {begin} inside {begin}; {_MALFORMED_FIX}",
+                )
+            thinking = ""
+        elif piece == end:
+            if thinking is None:
+                return Drop(
+                    "malformed_reasoning", f"message {position} has {end} without {begin}; {_MALFORMED_FIX}"
+                )
+            parts.append(ReplyPart(thinking, thinking=True))
+            thinking = None
+        elif thinking is not None:
+            thinking += piece
+        elif piece:
+            parts.append(ReplyPart(piece))
+    if thinking is not None:
+        return Drop("malformed_reasoning", f"message {position} has {begin} without {end}; {_MALFORMED_FIX}")
+    return parts
+
+
+def _chunk_text(chunk: Any, key: str) -> str | None:
+    """The text of a chunk's ``key``: a string, or a list of text chunks (Mistral's API)."""
+    value = chunk.get(key)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(
+        isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in value
+    ):
+        return "".join(c["text"] for c in value)
+    return None
+
+
+def _reply(
+    message: dict, position: int, content_tag: str, reasoning_key: str | None, think_markers: bool
+) -> tuple[ReplyPart, ...] | Drop:
+    """An assistant message's parts (reasoning and text, in order), or why it cannot be used."""
+    content = message.get(content_tag)
+    where = f"message {position}"
+    raw: list[ReplyPart] = []
+    if isinstance(content, str):
+        raw.append(ReplyPart(content))
+    elif isinstance(content, list) and content:
+        for n, chunk in enumerate(content):
+            kind = chunk.get("type") if isinstance(chunk, dict) else None
+            text = _chunk_text(chunk, kind) if kind in ("text", "thinking") else None
+            if text is None:
+                return Drop(
+                    "invalid_record",
+                    f"{where}: content chunk {n} is not a text chunk {{'type': 'text', 'text': ...}} or a "
+                    "thinking chunk {'type': 'thinking', 'thinking': ...}",
+                )
+            if kind == "thinking" and chunk.get("closed", True) is not True:
+                return Drop(
+                    "malformed_reasoning",
+                    f"{where}: thinking chunk {n} has closed: false; an answer to train on closes its reasoning",
+                )
+            raw.append(ReplyPart(text, thinking=kind == "thinking"))
+    else:
+        return Drop("invalid_record", f"{where} has no text {content_tag!r} (a string or a list of chunks)")
+    reasoning = message.get(reasoning_key) if reasoning_key else None
+    if reasoning is not None and not isinstance(reasoning, str):
+        return Drop("invalid_record", f"{where}: {reasoning_key!r} is not a string")
+    parts: list[ReplyPart] = []
+    for part in raw:
+        if part.thinking:
+            parts.append(part)
+        elif think_markers:
+            split = _split_think_markers(part.text, position)
+            if isinstance(split, Drop):
+                return split
+            parts += split
+        elif part.text:
+            parts.append(part)
+    if reasoning:
+        if any(part.thinking for part in parts):
+            return Drop(
+                "malformed_reasoning",
+                f"{where} has {reasoning_key!r} and reasoning in its content too; keep one of them",
+            )
+        parts.insert(0, ReplyPart(reasoning, thinking=True))
+    for part in parts:
+        if part.thinking and any(token in part.text for token in THINK_TOKENS):
+            return Drop(
+                "malformed_reasoning",
+                f"{where}'s reasoning text holds {' or '.join(THINK_TOKENS)}; the template writes the markers "
+                "around it: remove them from the reasoning",
+            )
+    return tuple(parts)
+
+
+def normalize_record(
+    row: RowSource, fmt: RecordFormat, dataset_dir: Path, *, think_markers: bool = False
+) -> Conversation | Drop:
+    """Turn one record into a :class:`Conversation`, or say why it cannot be used.
+
+    ``think_markers``: the tokenizer has ``[THINK]`` / ``[/THINK]`` as control tokens (v13), so
+    literal markers in an assistant's text are its reasoning; otherwise they are text.
+    """
     if row.error is not None:
         return Drop(row.error_reason, row.error)
     record = row.record
@@ -268,11 +407,17 @@ def normalize_record(row: RowSource, fmt: RecordFormat, dataset_dir: Path) -> Co
         return Drop("invalid_record", f"column {fmt.system!r} is not a string")
 
     prompt_roles = {tags["user"]: "user", fmt.observation: "observation"}
-    parsed: list[tuple[str, str]] = []
+    parsed: list[tuple[str, Any]] = []
     for position, message in enumerate(messages):
         if not isinstance(message, dict):
             return Drop("invalid_record", f"message {position} is not an object")
         role, content = message.get(tags["role_tag"]), message.get(tags["content_tag"])
+        if role == tags["assistant"]:
+            reply = _reply(message, position, tags["content_tag"], fmt.reasoning, think_markers)
+            if isinstance(reply, Drop):
+                return reply
+            parsed.append(("assistant", reply))
+            continue
         if not isinstance(content, str):
             return Drop("invalid_record", f"message {position} has no text {tags['content_tag']!r}")
         if role == fmt.system_role and position == 0:
@@ -280,15 +425,13 @@ def normalize_record(row: RowSource, fmt: RecordFormat, dataset_dir: Path) -> Co
             continue
         if role in prompt_roles:
             parsed.append((prompt_roles[role], content))
-        elif role == tags["assistant"]:
-            parsed.append(("assistant", content))
         elif role == fmt.function:
             return Drop("unsupported_role", f"message {position} is a tool call ({role!r})")
         else:
             known = sorted({tags["user"], tags["assistant"], fmt.observation, fmt.system_role})
             return Drop("unknown_role", f"message {position} has role {role!r} (known: {', '.join(known)})")
 
-    turns: list[tuple[str, str, str]] = []
+    turns: list[tuple[str, str, tuple[ReplyPart, ...]]] = []
     for i in range(0, len(parsed), 2):
         prompt_role, prompt = parsed[i]
         if prompt_role == "assistant":
@@ -301,9 +444,9 @@ def normalize_record(row: RowSource, fmt: RecordFormat, dataset_dir: Path) -> Co
                 "bad_turn_order",
                 f"message {i + 1} is a {response_role} turn where an assistant turn was expected",
             )
-        if not response.strip():
+        if not any(part.text.strip() for part in response):
             return Drop("empty_assistant", f"assistant turn {i // 2} is empty")
-        if IMAGE_PLACEHOLDER in response:
+        if any(IMAGE_PLACEHOLDER in part.text for part in response):
             return Drop("image_in_assistant_turn", f"assistant turn {i // 2} contains {IMAGE_PLACEHOLDER}")
         turns.append((prompt_role, prompt, response))
     if not turns:
@@ -335,7 +478,7 @@ def normalize_record(row: RowSource, fmt: RecordFormat, dataset_dir: Path) -> Co
     return Conversation(system=system, turns=turns, images=images)
 
 
-def _unencodable_text(system: str | None, turns: list[tuple[str, str, str]]) -> str | None:
+def _unencodable_text(system: str | None, turns: list[tuple[str, str, tuple[ReplyPart, ...]]]) -> str | None:
     """Which text of the conversation UTF-8 cannot encode, if any.
 
     Valid JSON may escape half of a surrogate pair (``"\\ud800"``); Python keeps it as a lone
@@ -344,7 +487,7 @@ def _unencodable_text(system: str | None, turns: list[tuple[str, str, str]]) -> 
     """
     texts = [("the system prompt", system)] if system else []
     for n, (_, prompt, response) in enumerate(turns):
-        texts += [(f"prompt {n}", prompt), (f"assistant turn {n}", response)]
+        texts += [(f"prompt {n}", prompt), *((f"assistant turn {n}", part.text) for part in response)]
     for where, text in texts:
         try:
             text.encode("utf-8")

@@ -1,6 +1,6 @@
 """The preprocessing report: kept, dropped by reason, lengths (percentiles and a histogram), images
-(and how many came from outside dataset_dir), control-token strings in the data text, speed, and
-the split."""
+(and how many came from outside dataset_dir), control-token strings in the data text, the samples
+with reasoning, speed, and the split."""
 
 from __future__ import annotations
 
@@ -20,11 +20,14 @@ TOKENS_SHOWN = 6
 class SampleNotes:
     """What the kept samples tell the report beyond the cache writer's numbers."""
 
-    def __init__(self, split_special_tokens: bool):
+    def __init__(self, split_special_tokens: bool, train_on_reasoning: bool = True):
         self.split_special_tokens = split_special_tokens
+        self.train_on_reasoning = train_on_reasoning
         self.control_tokens: Counter = Counter()
         self.control_samples = 0
         self.outside_images = 0
+        self.reasoning_samples = 0
+        self.reasoning_tokens = 0
 
     def add(self, sample) -> None:
         """Take the notes of one kept :class:`~magistral_cli.data.encoder.EncodedSample`."""
@@ -32,6 +35,9 @@ class SampleNotes:
             self.control_tokens.update(sample.text_control_tokens)
             self.control_samples += 1
         self.outside_images += sample.outside_images
+        if sample.reasoning_tokens:
+            self.reasoning_samples += 1
+            self.reasoning_tokens += sample.reasoning_tokens
 
     def fields(self) -> dict:
         return {
@@ -42,6 +48,11 @@ class SampleNotes:
                 "tokens": dict(self.control_tokens.most_common()),
             },
             "images_outside_dataset_dir": self.outside_images,
+            "reasoning": {
+                "samples": self.reasoning_samples,
+                "tokens": self.reasoning_tokens,
+                "trained": self.train_on_reasoning,
+            },
         }
 
 
@@ -118,6 +129,9 @@ def render_report(report: dict, console, *, entry: str, reused: bool) -> None:
     control = report.get("control_tokens_in_text")
     if control is not None:
         table.add_row("control tokens in data text", _control_summary(control))
+    reasoning = report.get("reasoning")
+    if reasoning is not None:
+        table.add_row("reasoning", _reasoning_summary(reasoning))
     if report.get("samples_per_s") is not None:
         table.add_row(
             "speed when encoded" if reused else "speed",
@@ -157,3 +171,10 @@ def _control_summary(control: dict) -> str:
     if control["encoded_as"] == "text":
         return f"{where}, kept as text: {escape(named)}"
     return f"[yellow]{where}, encoded as control tokens: {escape(named)}[/]"
+
+
+def _reasoning_summary(reasoning: dict) -> str:
+    if not reasoning["samples"]:
+        return "none"
+    how = "trained" if reasoning["trained"] else "masked (train_on_reasoning: false)"
+    return f"{reasoning['samples']} sample(s), {reasoning['tokens']} tokens, {how}"

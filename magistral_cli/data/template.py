@@ -11,6 +11,10 @@
   layout of tokenizer v13 (Magistral-Small-2509's); the seed's LLaMA-Factory template wrapped
   it as ``{"content": ...}``, which mistral-common never produces.
 - Every assistant turn ends with ``</s>``, which is trained on (it is part of the response).
+- An assistant turn's reasoning is ``[THINK]reasoning[/THINK]`` before its text, with both markers
+  as control tokens: mistral-common's ``ThinkChunk`` under tokenizer v13 (Magistral-Small-2509's),
+  ``<s>[INST]user[/INST][THINK]reasoning[/THINK]answer</s>``. Whether it is trained on is the
+  recipe's ``train_on_reasoning`` (the encoder masks the span's labels, markers included).
 
 The template works on token ids: text pieces are tokenized on their own and special ids are
 inserted directly, which is what mistral-common does and avoids building and re-parsing
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import re
 
-from .tokenizer import SpecialIds, TekkenTokenizer
+from .tokenizer import THINK_TOKENS, SpecialIds, TekkenTokenizer
 
 #: The seed template's ``default_system`` (Magistral's reasoning instructions, as its model card
 #: recommends them), character for character, trailing space included. Its ``[THINK]`` and
@@ -46,7 +50,6 @@ def resolve_default_system(recipe_value: str | None) -> str:
     return MAGISTRAL_THINKING_PROMPT if recipe_value is None else recipe_value
 
 
-THINK_MARKERS = ("[THINK]", "[/THINK]")
 _THINK_SPLIT = re.compile(r"(\[/?THINK\])")
 
 
@@ -60,9 +63,9 @@ def default_system_ids(tokenizer: TekkenTokenizer, default_system: str) -> list[
     """
     if not default_system:
         return None
-    markers = {marker: tokenizer.control_id(marker) for marker in THINK_MARKERS}
-    if None in markers.values():
+    if tokenizer.think_ids is None:
         return tokenizer.encode_as_text(default_system)
+    markers = dict(zip(THINK_TOKENS, tokenizer.think_ids, strict=True))
     ids: list[int] = []
     for piece in _THINK_SPLIT.split(default_system):
         if piece in markers:
@@ -87,6 +90,12 @@ def prompt_ids(special: SpecialIds, role: str, content_ids: list[int]) -> list[i
     return [special.inst, *content_ids, special.inst_end]
 
 
+def reasoning_ids(think_ids: tuple[int, int], content_ids: list[int]) -> list[int]:
+    """An assistant turn's reasoning: ``[THINK]reasoning[/THINK]`` (a closed ``ThinkChunk``)."""
+    begin, end = think_ids
+    return [begin, *content_ids, end]
+
+
 def response_ids(special: SpecialIds, content_ids: list[int]) -> list[int]:
-    """An assistant turn: its text and ``</s>``."""
+    """An assistant turn: its reasoning and text, and ``</s>``."""
     return [*content_ids, special.eos]

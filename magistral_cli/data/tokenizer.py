@@ -50,6 +50,11 @@ REQUIRED_SPECIAL_TOKENS = {
 #: (older versions prepend it to the last user message, which template ``mistral`` does not do).
 MIN_TEKKEN_VERSION = 7
 
+#: The control tokens around reasoning (mistral-common's ``ThinkChunk``), and the first tekken
+#: version that encodes them (mistral-common's ``InstructTokenizerV13``; Magistral-Small-2509 ships v13).
+THINK_TOKENS = ("[THINK]", "[/THINK]")
+THINK_TEKKEN_VERSION = 13
+
 
 @dataclass(frozen=True)
 class SpecialIds:
@@ -78,6 +83,25 @@ class TekkenTokenizer:
     source: Literal["official", "unsloth"]
     files: dict[str, str]  # file name -> SHA-256 (part of the cache fingerprint)
     split_special_tokens: bool = True
+    version: str | None = None  # tekken.json's config.version ("v13"); None for a tokenizer.json
+
+    @functools.cached_property
+    def think_ids(self) -> tuple[int, int] | None:
+        """The ids of ``[THINK]`` and ``[/THINK]`` when this tokenizer encodes reasoning, else None.
+
+        As mistral-common: from tekken v13 on, and only when the vocabulary has both as control
+        tokens (a tokenizer.json, which carries no version, is judged by its control tokens alone).
+        """
+        number = tekken_version_number(self.version)
+        if number is not None and number < THINK_TEKKEN_VERSION:
+            return None
+        begin, end = (self.control_id(token) for token in THINK_TOKENS)
+        return None if begin is None or end is None else (begin, end)
+
+    def describe(self) -> str:
+        """Which tokenizer this is, for messages: ``tekken.json v13`` or ``tokenizer.json``."""
+        name = next((name for name in self.files if name.endswith(".json")), self.source)
+        return f"{name} {self.version}" if self.version else name
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without BOS/EOS (control-token strings as ``split_special_tokens`` says)."""
@@ -193,18 +217,28 @@ def _read_backend(path: str, kind: str, fix_mistral_regex: bool):
     return backend
 
 
-def _check_tekken_version(path: Path) -> None:
+def tekken_version_number(version: str | None) -> int | None:
+    """13 for ``"v13"``; None for no version or one of another shape."""
+    if version and version.startswith("v") and version[1:].isdigit():
+        return int(version[1:])
+    return None
+
+
+def _check_tekken_version(path: Path) -> str | None:
+    """tekken.json's version (``"v13"``), after refusing one older than ``MIN_TEKKEN_VERSION``."""
     try:
         config = json.loads(path.read_text(encoding="utf-8"))["config"]
     except (OSError, ValueError, KeyError) as exc:
         raise UserError(f"{path} is not a Tekken tokenizer file ({exc})") from None
-    version = str(config.get("version", ""))
-    if version.startswith("v") and version[1:].isdigit() and int(version[1:]) < MIN_TEKKEN_VERSION:
+    version = str(config.get("version", "")) or None
+    number = tekken_version_number(version)
+    if number is not None and number < MIN_TEKKEN_VERSION:
         raise UserError(
             f"{path} is Tekken {version}: template 'mistral' writes system prompts as [SYSTEM_PROMPT] blocks, "
             f"which needs tokenizer version v{MIN_TEKKEN_VERSION} or later (Magistral-Small-2509 ships v13); "
             "use the model's own tekken.json"
         )
+    return version
 
 
 def _fix_regex(tokenizer_json: dict) -> bool:
@@ -248,12 +282,12 @@ def load_tokenizer(
     data (``[INST]``, ``</s>``) as plain text, as mistral-common does; False (the seed's setting,
     LLaMA-Factory's) maps them to their control ids, as Hugging Face tokenizers do.
     """
-    kind, path, files = tokenizer_files(model_dir, source, fix_mistral_regex, split_special_tokens)
+    kind, path, files, version = _identify(model_dir, source, fix_mistral_regex, split_special_tokens)
     backend = _build_backend(
         str(path.resolve()), files[path.name], kind, fix_mistral_regex, split_special_tokens
     )
     special = check_special_tokens(backend, path)
-    return TekkenTokenizer(backend, special, kind, files, split_special_tokens)
+    return TekkenTokenizer(backend, special, kind, files, split_special_tokens, version)
 
 
 def tokenizer_files(
@@ -267,6 +301,14 @@ def tokenizer_files(
     This is what the cache fingerprint needs; building the tokenizer itself takes seconds and
     is only done when rows are encoded.
     """
+    kind, path, files, _ = _identify(model_dir, source, fix_mistral_regex, split_special_tokens)
+    return kind, path, files
+
+
+def _identify(
+    model_dir: str | Path, source: str, fix_mistral_regex: bool, split_special_tokens: bool
+) -> tuple[Literal["official", "unsloth"], Path, dict[str, str], str | None]:
+    """``tokenizer_files`` and tekken.json's version (read in the same pass; None for tokenizer.json)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise UserError(
@@ -274,12 +316,11 @@ def tokenizer_files(
         )
     kind = resolve_tokenizer_source(model_dir, source)
     path = model_dir / ("tekken.json" if kind == "official" else "tokenizer.json")
-    if kind == "official":
-        _check_tekken_version(path)
+    version = _check_tekken_version(path) if kind == "official" else None
     files = {path.name: sha256_file(path)[0]}
     # split_special_tokens and fix_mistral_regex change the ids: both are part of the identity.
     files["options"] = f"split_special_tokens={split_special_tokens},fix_mistral_regex={fix_mistral_regex}"
-    return kind, path, files
+    return kind, path, files, version
 
 
 def check_special_tokens(backend, path: Path) -> SpecialIds:

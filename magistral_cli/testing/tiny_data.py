@@ -4,7 +4,9 @@ The tokenizer is the real Tekken vocabulary that mistral-common ships
 (``mistral_common/data/tekken_240911.json``), with two fields set the way
 Magistral-Small-2509's own ``tekken.json`` has them: a tokenizer version that writes system
 prompts as ``[SYSTEM_PROMPT]`` blocks, and the image section (patch 14, spatial merge 2,
-longest edge 1540: one image token per 28x28 pixels).
+longest edge 1540: one image token per 28x28 pixels). With ``version="v13"`` (Magistral's own)
+it also carries Magistral's ``special_tokens`` table, where ``[THINK]`` / ``[/THINK]`` are
+control tokens 34 and 35.
 """
 
 from __future__ import annotations
@@ -18,6 +20,41 @@ from pathlib import Path
 TINY_TEKKEN_VERSION = "v7"
 TINY_IMAGE_SECTION = {"image_patch_size": 14, "max_image_size": 1540, "spatial_merge_size": 2}
 
+#: Magistral-Small-2509's special tokens below 36 (tokenizer v13), by rank; the others up to
+#: ``default_num_special_tokens`` (1000) are ``<SPECIAL_n>``. Every one is a control token.
+MAGISTRAL_SPECIAL_TOKENS = {
+    **dict(
+        enumerate(
+            [
+                "<unk>",
+                "<s>",
+                "</s>",
+                "[INST]",
+                "[/INST]",
+                "[AVAILABLE_TOOLS]",
+                "[/AVAILABLE_TOOLS]",
+                "[TOOL_RESULTS]",
+                "[/TOOL_RESULTS]",
+                "[TOOL_CALLS]",
+                "[IMG]",
+                "<pad>",
+                "[IMG_BREAK]",
+                "[IMG_END]",
+                "[PREFIX]",
+                "[MIDDLE]",
+                "[SUFFIX]",
+                "[SYSTEM_PROMPT]",
+                "[/SYSTEM_PROMPT]",
+                "[TOOL_CONTENT]",
+            ]
+        )
+    ),
+    32: "[ARGS]",
+    33: "[CALL_ID]",
+    34: "[THINK]",
+    35: "[/THINK]",
+}
+
 
 def tekken_path() -> Path:
     """The Tekken vocabulary file that mistral-common ships."""
@@ -29,17 +66,24 @@ def tekken_path() -> Path:
     return path
 
 
-def write_tiny_tokenizer_files(model_dir: str | Path) -> Path:
+def write_tiny_tokenizer_files(model_dir: str | Path, version: str = TINY_TEKKEN_VERSION) -> Path:
     """Put ``tekken.json`` into ``model_dir`` (which already has config.json); returns its path.
 
     The processor settings come from tekken.json's image section (and config.json), as with the
-    official files: no third-party preprocessor_config.json is needed.
+    official files: no third-party preprocessor_config.json is needed. ``version`` "v13" writes
+    Magistral's special-token table (``[THINK]`` / ``[/THINK]`` among the control tokens), the
+    shape of its own tekken.json: ``{"rank", "token_str", "is_control"}`` for every special rank.
     """
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
     data = json.loads(tekken_path().read_text(encoding="utf-8"))
-    data["config"]["version"] = TINY_TEKKEN_VERSION
+    data["config"]["version"] = version
     data["image"] = dict(TINY_IMAGE_SECTION)
+    if int(version.lstrip("v")) >= 13:
+        data["special_tokens"] = [
+            {"rank": i, "token_str": MAGISTRAL_SPECIAL_TOKENS.get(i, f"<SPECIAL_{i}>"), "is_control": True}
+            for i in range(data["config"]["default_num_special_tokens"])
+        ]
     out = model_dir / "tekken.json"
     out.write_text(json.dumps(data), encoding="utf-8")
     return out

@@ -23,6 +23,17 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def v13_model_dir(model_dir, tmp_path_factory) -> Path:
+    """The tiny model with a v13 tekken.json (Magistral's version: [THINK] is a control token)."""
+    path = tmp_path_factory.mktemp("v13")
+    (path / "config.json").write_text(
+        (model_dir / "config.json").read_text(encoding="utf-8"), encoding="utf-8"
+    )
+    write_tiny_tokenizer_files(path, version="v13")
+    return path
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_dir):
     from magistral_cli.data.tokenizer import load_tokenizer
 

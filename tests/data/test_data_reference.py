@@ -148,48 +148,6 @@ def test_known_difference_trailing_image(model_dir, tokenizer, reference, images
 
 # ----------------------------------------------------------------------------- the seed's default system prompt
 
-#: Magistral-Small-2509's special tokens below 36 (tokenizer v13); the rest are <SPECIAL_n>.
-V13_SPECIALS = {
-    **dict(
-        enumerate(["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]"])
-    ),
-    7: "[TOOL_RESULTS]",
-    8: "[/TOOL_RESULTS]",
-    9: "[TOOL_CALLS]",
-    10: "[IMG]",
-    11: "<pad>",
-    12: "[IMG_BREAK]",
-    13: "[IMG_END]",
-    14: "[PREFIX]",
-    15: "[MIDDLE]",
-    16: "[SUFFIX]",
-    17: "[SYSTEM_PROMPT]",
-    18: "[/SYSTEM_PROMPT]",
-    19: "[TOOL_CONTENT]",
-    32: "[ARGS]",
-    33: "[CALL_ID]",
-    34: "[THINK]",
-    35: "[/THINK]",
-}
-
-
-@pytest.fixture(scope="module")
-def v13_model_dir(model_dir, tmp_path_factory):
-    """The tiny model with a v13 tekken.json (Magistral's version: [THINK] is a special token)."""
-    import json
-
-    path = tmp_path_factory.mktemp("v13")
-    (path / "config.json").write_text((model_dir / "config.json").read_text())
-    data = json.loads((model_dir / "tekken.json").read_text(encoding="utf-8"))
-    data["config"]["version"] = "v13"
-    count = data["config"]["default_num_special_tokens"]
-    data["special_tokens"] = [
-        {"rank": i, "token_str": V13_SPECIALS.get(i, f"<SPECIAL_{i}>"), "is_control": True}
-        for i in range(count)
-    ]
-    (path / "tekken.json").write_text(json.dumps(data), encoding="utf-8")
-    return path
-
 
 @pytest.mark.parametrize("split", [True, False], ids=["text_is_text", "seed_split_false"])
 def test_default_system_prompt_equals_mistral_common_think_chunks(split, v13_model_dir, tmp_path):
