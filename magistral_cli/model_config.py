@@ -48,7 +48,8 @@ def apply_tying_rule(config):
 
 
 def read_model_config(model_dir: str | Path, *, trust_remote_code: bool = False, what: str = "model"):
-    """The ``Mistral3Config`` of ``model_dir/config.json`` with the tying rule applied.
+    """The ``Mistral3Config`` of ``model_dir/config.json`` with the tying rule applied; a directory
+    of Mistral's native layout without config.json gives its ``params.json`` instead.
 
     One clear ``UserError`` for a missing, unreadable or non-Mistral3 config (``what`` names the
     setting or argument that pointed here).
@@ -56,9 +57,12 @@ def read_model_config(model_dir: str | Path, *, trust_remote_code: bool = False,
     from transformers import AutoConfig
 
     path = Path(model_dir)
+    if not (path / CONFIG_FILE).is_file() and (path / PARAMS_FILE).is_file():
+        return read_params_config(path)
     if not (path / CONFIG_FILE).is_file():
         raise UserError(
-            f"{what} {path} has no {CONFIG_FILE}; point it at the model directory (magistral fetch writes one)"
+            f"{what} {path} has no {CONFIG_FILE} (nor Mistral's {PARAMS_FILE}); point it at the model "
+            "directory (magistral fetch writes one)"
         )
     try:
         config = AutoConfig.from_pretrained(
@@ -71,6 +75,158 @@ def read_model_config(model_dir: str | Path, *, trust_remote_code: bool = False,
             f"{path / CONFIG_FILE} describes a {config.model_type!r} model; "
             "magistral works with Mistral3 (Magistral-Small-2509) models only"
         )
+    return apply_tying_rule(config)
+
+
+# --------------------------------------------------------------------------- params.json
+
+
+#: Mistral's native config file (beside consolidated.safetensors), as mistral-inference and vLLM's
+#: ``--config-format mistral`` read it.
+PARAMS_FILE = "params.json"
+# params.json key -> text config attribute (the names of mistral-inference's TransformerArgs).
+_PARAMS_TEXT = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "head_dim": "head_dim",
+    "hidden_dim": "intermediate_size",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "rope_theta": "rope_theta",
+    "norm_eps": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+    "max_position_embeddings": "max_position_embeddings",
+}
+# params.json ``vision_encoder`` key -> vision config attribute (Pixtral's VisionEncoderArgs).
+_PARAMS_VISION = {
+    "hidden_size": "hidden_size",
+    "num_channels": "num_channels",
+    "image_size": "image_size",
+    "max_image_size": "image_size",
+    "patch_size": "patch_size",
+    "rope_theta": "rope_theta",
+    "intermediate_size": "intermediate_size",
+    "num_hidden_layers": "num_hidden_layers",
+    "num_attention_heads": "num_attention_heads",
+}
+#: Magistral's ``[IMG_BREAK]`` and ``[IMG_END]`` ids: params.json names them, config.json does not.
+IMAGE_BREAK_TOKEN_ID = 12
+IMAGE_END_TOKEN_ID = 13
+
+
+def _rope_theta(config) -> float:
+    """``rope_theta`` of a text or vision config (transformers 5 keeps it in ``rope_parameters``)."""
+    theta = getattr(config, "rope_theta", None)
+    if theta is None:
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
+    return float(theta)
+
+
+def native_problems(config) -> list[str]:
+    """What of ``config`` Mistral's native layout cannot say (empty when it can hold the model):
+    the native model has a SiLU-gated decoder and vision tower, a GELU projector fed by the last
+    vision layer, full attention and no RoPE scaling."""
+    text, vision = config.text_config, config.vision_config
+    problems = []
+    for name, part in (("text_config", text), ("vision_config", vision)):
+        if getattr(part, "hidden_act", "silu") != "silu":
+            problems.append(f"{name}.hidden_act is {part.hidden_act!r}, not silu")
+    if getattr(config, "projector_hidden_act", "gelu") != "gelu":
+        problems.append(f"projector_hidden_act is {config.projector_hidden_act!r}, not gelu")
+    if getattr(config, "vision_feature_layer", -1) != -1:
+        problems.append(f"vision_feature_layer is {config.vision_feature_layer}, not -1")
+    if getattr(text, "sliding_window", None) is not None:
+        problems.append(f"text_config.sliding_window is {text.sliding_window}")
+    rope_type = (getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}).get(
+        "rope_type", "default"
+    )
+    if rope_type != "default":
+        problems.append(f"the text rotary embedding is scaled ({rope_type})")
+    if (vision.head_dim or 0) * vision.num_attention_heads != vision.hidden_size:
+        problems.append("vision_config.head_dim x num_attention_heads is not hidden_size")
+    return problems
+
+
+def params_from_config(config) -> dict:
+    """``params.json`` for a Mistral3 config: mistral-inference's names for the decoder at the top
+    level and Pixtral's ``vision_encoder`` section (what vLLM's mistral config parser and the
+    transformers conversion script read). Refuses a config the native layout cannot express."""
+    config = apply_tying_rule(config)
+    problems = native_problems(config)
+    if problems:
+        raise UserError(
+            "this model cannot be written in Mistral's native layout: "
+            + "; ".join(problems)
+            + "; export it with --format hf"
+        )
+    text, vision = config.text_config, config.vision_config
+    params = {key: getattr(text, attr) for key, attr in _PARAMS_TEXT.items() if key != "rope_theta"}
+    params["head_dim"] = _head_dim(text)
+    params["rope_theta"] = _rope_theta(text)
+    params = {key: params[key] for key in _PARAMS_TEXT}  # params.json's own key order
+    if text_ties(config):
+        params["tied_embeddings"] = True
+    encoder = {key: getattr(vision, attr) for key, attr in _PARAMS_VISION.items() if key != "rope_theta"}
+    encoder["rope_theta"] = _rope_theta(vision)
+    encoder = {key: encoder[key] for key in _PARAMS_VISION}
+    encoder.update(
+        adapter_bias=bool(config.multimodal_projector_bias),
+        mm_projector_id="patch_merge",
+        spatial_merge_size=config.spatial_merge_size,
+        add_pre_mm_projector_layer_norm=True,
+        image_token_id=config.image_token_index,
+        image_break_token_id=IMAGE_BREAK_TOKEN_ID,
+        image_end_token_id=IMAGE_END_TOKEN_ID,
+    )
+    params["vision_encoder"] = encoder
+    return params
+
+
+def read_params_config(model_dir: str | Path):
+    """``config_from_params`` of ``model_dir/params.json``."""
+    import json
+
+    path = Path(model_dir) / PARAMS_FILE
+    try:
+        params = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path} cannot be read ({exc}); download it again") from None
+    if not isinstance(params, dict):
+        raise UserError(f"{path} is not a JSON object; download it again")
+    return config_from_params(params, str(path))
+
+
+def config_from_params(params: dict, where: str = PARAMS_FILE):
+    """The ``Mistral3Config`` a ``params.json`` describes (the tying rule applied), as transformers'
+    Mistral3 conversion builds it; a missing key is one ``UserError`` naming ``where``."""
+    from transformers import Mistral3Config
+
+    try:
+        text = {attr: params[key] for key, attr in _PARAMS_TEXT.items() if key != "max_position_embeddings"}
+        text["max_position_embeddings"] = params.get(
+            "max_position_embeddings", params.get("max_seq_len", 131072)
+        )
+        text.update(
+            model_type="mistral",
+            sliding_window=None,
+            tie_word_embeddings=bool(params.get("tied_embeddings", False)),
+        )
+        encoder = params["vision_encoder"]
+        vision = {attr: encoder[key] for key, attr in _PARAMS_VISION.items() if key != "max_image_size"}
+        vision.update(model_type="pixtral", head_dim=encoder["hidden_size"] // encoder["num_attention_heads"])
+        config = Mistral3Config(
+            text_config=text,
+            vision_config=vision,
+            image_token_index=encoder.get("image_token_id", 10),
+            spatial_merge_size=encoder.get("spatial_merge_size", 1),
+            multimodal_projector_bias=bool(encoder.get("adapter_bias", False)),
+            projector_hidden_act="gelu",
+            vision_feature_layer=-1,
+        )
+    except (KeyError, TypeError) as exc:
+        raise UserError(
+            f"{where} lacks {exc} or is not a Mistral3 params.json (a decoder with a vision_encoder section)"
+        ) from None
     return apply_tying_rule(config)
 
 

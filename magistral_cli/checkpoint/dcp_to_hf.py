@@ -42,7 +42,13 @@ from .hf import (
     require_model_dir,
     support_files,
 )
-from .keys import DCP_MODEL_PREFIX, to_transformers_key, transformers_to_official_key
+from .keys import (
+    DCP_MODEL_PREFIX,
+    to_transformers_key,
+    transformers_to_native_key,
+    transformers_to_official_key,
+)
+from .native import native_shard_name, rotary_head_dim, write_native_files, write_rows
 from .safetensors_io import SafetensorsStreamWriter, TensorSpec, safetensors_dtype
 from .staging import refuse_existing, staged_directory
 from .validate import (
@@ -57,6 +63,9 @@ from .validate import (
 )
 
 EXPORT_LAYOUTS = ("official", "transformers")
+#: What an export writes: ``hf`` (safetensors shards, config and tokenizer files for transformers)
+#: or ``mistral`` (Mistral's native consolidated.safetensors + params.json + tekken.json).
+EXPORT_FORMATS = ("hf", "mistral")
 #: Output shard size when the model directory has no weights to copy the split from.
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
@@ -119,7 +128,9 @@ def to_transformers_key_or_raw(key: str) -> str:
         return key
 
 
-def _split_by_size(keys: list[str], nbytes: dict[str, int], limit: int) -> dict[str, list[str]]:
+def _split_by_size(
+    keys: list[str], nbytes: dict[str, int], limit: int, native: bool = False
+) -> dict[str, list[str]]:
     groups: list[list[str]] = [[]]
     size = 0
     for key in keys:
@@ -129,6 +140,8 @@ def _split_by_size(keys: list[str], nbytes: dict[str, int], limit: int) -> dict[
         groups[-1].append(key)
         size += nbytes[key]
     n = len(groups)
+    if native:
+        return {native_shard_name(i, n): g for i, g in enumerate(groups)}
     if n == 1:
         return {SINGLE_WEIGHTS: groups[0]}
     return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups)}
@@ -488,6 +501,7 @@ def export_dcp_to_hf(
     direct: bool = True,
     allow_dtype_mismatch: bool = False,
     allow_unverified: bool = False,
+    format: str = "hf",
 ) -> ExportResult:
     """Write the model tensors of the DCP checkpoint ``dcp_dir`` as an HF model directory ``out_dir``.
 
@@ -498,6 +512,9 @@ def export_dcp_to_hf(
     ``fsync=True`` syncs every file to disk before the directory appears. ``direct=False``
     reads every tensor through DCP's own reader (``torch.load`` of each item) instead of copying
     the bytes of plain items file to file (the result is the same; the direct copy is faster).
+    ``format="mistral"`` writes Mistral's native layout instead (``checkpoint.native``): native
+    names, the query and key rows in rotary order, ``consolidated*.safetensors`` split at
+    ``DEFAULT_MAX_SHARD_BYTES``, params.json and the base's tekken.json (``layout`` is then unused).
     Every model tensor must be floating point; a conversion (fsdp2, megatron layout) must also
     have config.json's ``dtype`` unless ``allow_dtype_mismatch`` (a training checkpoint holds fp32
     master weights and is exported as it is). A training checkpoint is verified against its
@@ -511,6 +528,9 @@ def export_dcp_to_hf(
 
     if layout not in EXPORT_LAYOUTS:
         raise UserError(f"unknown layout {layout!r}; use one of {list(EXPORT_LAYOUTS)}")
+    if format not in EXPORT_FORMATS:
+        raise UserError(f"unknown format {format!r}; use one of {list(EXPORT_FORMATS)}")
+    native = format == "mistral"
     model_dir = require_model_dir(model_dir)
     out_dir = Path(out_dir)
     refuse_existing(out_dir, "output directory")
@@ -523,11 +543,17 @@ def export_dcp_to_hf(
     def dcp_md(key: str):
         return metadata.state_dict_metadata[prefix + key]
 
-    files, index_metadata = plan_output_files(model_dir)
+    config = None
+    if native:
+        from magistral_cli.model_config import params_from_config, read_model_config
+
+        config = read_model_config(model_dir, what="model directory")
+        params_from_config(config)  # refuses a model the native layout cannot hold, before any write
+    files, index_metadata = ({}, {}) if native else plan_output_files(model_dir)
     if not files:
         present = [k for k in expected.shapes if prefix + k in shapes and k not in expected.aliases]
         nbytes = {k: dcp_md(k).size.numel() * dcp_md(k).properties.dtype.itemsize for k in present}
-        files = _split_by_size(present, nbytes, DEFAULT_MAX_SHARD_BYTES)
+        files = _split_by_size(present, nbytes, DEFAULT_MAX_SHARD_BYTES, native=native)
     unknown = sorted({k for keys in files.values() for k in keys if prefix + k not in shapes})
     if unknown:
         raise CheckFailed(
@@ -544,6 +570,8 @@ def export_dcp_to_hf(
         )
 
     def out_key(key: str) -> str:
+        if native:
+            return transformers_to_native_key(key)
         return transformers_to_official_key(key) if layout == "official" else key
 
     specs = {
@@ -565,17 +593,31 @@ def export_dcp_to_hf(
             for name, file_specs in specs.items()
         }
         try:
+            # Native query and key weights: head_dim of the rows to put in rotary order.
+            rotary = (
+                {k: rotary_head_dim(key, config) for k, (_, key) in destination.items()} if native else {}
+            )
 
             def sink(dcp_key: str, tensor, row_offset: int) -> None:
                 nonlocal done
                 name, key = destination[dcp_key]
-                done += writers[name].write(key, tensor, row_offset)
+                if rotary.get(dcp_key):
+                    done += write_rows(writers[name], key, tensor, row_offset, rotary[dcp_key])
+                else:
+                    done += writers[name].write(key, tensor, row_offset)
                 if progress is not None:
                     progress(done, total)
 
             def sink_range(dcp_key: str, fd: int, offset: int, nbytes: int, row_offset: int) -> None:
                 nonlocal done
                 name, key = destination[dcp_key]
+                if rotary.get(dcp_key):  # rows move: through memory (one block)
+                    md = dcp_md(dcp_key[len(prefix) :])
+                    block = torch.frombuffer(
+                        bytearray(os.pread(fd, nbytes, offset)), dtype=md.properties.dtype
+                    )
+                    sink(dcp_key, block.view(-1, *tuple(md.size)[1:]), row_offset)
+                    return
                 done += writers[name].copy_range(key, fd, offset, nbytes, row_offset)
                 if progress is not None:
                     progress(done, total)
@@ -609,28 +651,139 @@ def export_dcp_to_hf(
                 writer.abort()
             raise
         weight_map = {s.name: name for name, file_specs in specs.items() for s in file_specs}
-        source_index = read_weight_index(model_dir)
+        if native:
+            copied = write_native_files(tmp, model_dir, config, weight_map, total)
+        source_index = None if native else read_weight_index(model_dir)
         if source_index is not None:  # keep the source index's key order
             order = [out_key(to_transformers_key_or_raw(k)) for k in source_index[0]]
             weight_map = {k: weight_map[k] for k in order if k in weight_map}
         else:
             weight_map = dict(sorted(weight_map.items()))
-        if len(files) > 1 or source_index is not None:
+        if not native and (len(files) > 1 or source_index is not None):
             index = {"metadata": {**index_metadata, "total_size": total}, "weight_map": weight_map}
             (tmp / WEIGHT_INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-        copied = []
-        for path in support_files(model_dir):
-            shutil.copyfile(path, tmp / path.name)
-            copied.append(path.name)
+        if not native:
+            copied = []
+            for path in support_files(model_dir):
+                shutil.copyfile(path, tmp / path.name)
+                copied.append(path.name)
     return ExportResult(
         out_dir=out_dir,
         checkpoint_dir=checkpoint_dir,
         dcp_layout=dcp_layout,
-        layout=layout,
+        layout="mistral" if native else layout,
         files=list(files),
         tensors=len(destination),
         bytes=total,
         seconds=time.perf_counter() - started,
         copied=copied,
         reads=read_counts,
+    )
+
+
+def export_hf_to_native(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    progress: ProgressFn | None = None,
+    fsync: bool = False,
+    replace: Callable[[str, Callable[[], object]], object | None] | None = None,
+    checkpoint_dir: Path | None = None,
+) -> ExportResult:
+    """Write the weights of the HF model directory ``model_dir`` in Mistral's native layout.
+
+    Every model tensor (an untied head included) under its native name, in the source's dtype; the
+    bytes of a tensor that stays as it is are copied file to file, the query and key weights go
+    through memory (their rows move into rotary order), one tensor at a time. ``replace(key,
+    read)`` may give another value for a transformers ``key`` (``read()`` is the source tensor;
+    None keeps it): the LoRA merge. The files, params.json and tekken.json are
+    ``checkpoint.native``'s. ``out_dir`` must not exist; on failure nothing is left behind.
+    """
+    from contextlib import ExitStack
+
+    from safetensors import safe_open
+
+    from magistral_cli.model_config import params_from_config, read_model_config
+
+    from .keys import native_to_transformers_key
+    from .safetensors_io import read_data_offsets
+
+    started = time.perf_counter()
+    model_dir = require_model_dir(model_dir)
+    out_dir = Path(out_dir)
+    refuse_existing(out_dir, "output directory")
+    weights = read_hf_weights(model_dir)
+    if weights.native:
+        raise UserError(
+            f"{model_dir} is already in Mistral's native layout; copy it, or export a checkpoint of it"
+        )
+    config = read_model_config(model_dir, what="model directory")
+    params_from_config(config)  # refuses a model the native layout cannot hold, before any write
+    expected = model_keys(model_dir)
+    source: dict[str, tuple[str, TensorSpec]] = {}
+    for name, file_specs in weights.files.items():
+        for spec in file_specs:
+            source[to_transformers_key_or_raw(spec.name)] = (name, spec)
+    report = compare_keys(
+        f"HF checkpoint {model_dir}", expected, {k: s.shape for k, (_, s) in source.items()}
+    )
+    if not report.ok:
+        raise CheckFailed(report.message("Check that config.json belongs to these weights."))
+    keys = [k for k in expected.shapes if k not in expected.aliases]
+    files = _split_by_size(keys, {k: source[k][1].nbytes for k in keys}, DEFAULT_MAX_SHARD_BYTES, native=True)
+    total = sum(source[k][1].nbytes for k in keys)
+    done = 0
+    with staged_directory(out_dir, "output directory") as tmp, ExitStack() as stack:
+        opened: dict[str, tuple[object, int, int, dict]] = {}
+
+        def open_source(name: str):
+            if name not in opened:
+                path = model_dir / name
+                fd = os.open(path, os.O_RDONLY)
+                stack.callback(os.close, fd)
+                start, offsets = read_data_offsets(path)
+                opened[name] = (stack.enter_context(safe_open(str(path), framework="pt")), fd, start, offsets)
+            return opened[name]
+
+        weight_map: dict[str, str] = {}
+        for out_name, file_keys in files.items():
+            specs = [
+                TensorSpec(transformers_to_native_key(k), source[k][1].dtype, source[k][1].shape)
+                for k in file_keys
+            ]
+            writer = SafetensorsStreamWriter(tmp / out_name, specs, metadata={"format": "pt"})
+            try:
+                for spec in writer.layout:  # the file's byte order: appended, never a hole
+                    key = native_to_transformers_key(spec.name)
+                    name, src = source[key]
+                    shard, fd, start, offsets = open_source(name)
+                    tensor = replace(key, lambda s=shard, n=src.name: s.get_tensor(n)) if replace else None
+                    head_dim = rotary_head_dim(spec.name, config)
+                    if tensor is None and head_dim is None:
+                        begin, end = offsets[src.name]
+                        done += writer.copy_range(spec.name, fd, start + begin, end - begin)
+                    else:
+                        tensor = shard.get_tensor(src.name) if tensor is None else tensor
+                        if head_dim is None:
+                            done += writer.write(spec.name, tensor)
+                        else:
+                            done += write_rows(writer, spec.name, tensor, 0, head_dim)
+                    weight_map[spec.name] = out_name
+                    if progress is not None:
+                        progress(done, total)
+                writer.close(fsync=fsync)
+            except BaseException:
+                writer.abort()
+                raise
+        weight_map = {transformers_to_native_key(k): weight_map[transformers_to_native_key(k)] for k in keys}
+        copied = write_native_files(tmp, model_dir, config, weight_map, total)
+    return ExportResult(
+        out_dir=out_dir,
+        checkpoint_dir=checkpoint_dir or model_dir,
+        dcp_layout="hf",
+        layout="mistral",
+        files=list(files),
+        tensors=len(keys),
+        bytes=total,
+        seconds=time.perf_counter() - started,
+        copied=copied,
     )

@@ -1,7 +1,10 @@
 """What a Hugging Face model directory holds: its weight files, their keys, and the other files.
 
 A model directory has ``config.json`` and either ``model.safetensors.index.json`` with its
-shards (the official repository's layout) or a single ``model.safetensors``.
+shards (the official repository's layout) or a single ``model.safetensors``; or it is in Mistral's
+native layout (``params.json`` and ``consolidated.safetensors``, or its shards with
+``consolidated.safetensors.index.json``: ``native``), whose names and rotary order
+``HFWeights.transformers_key`` and ``native.from_native_rows`` translate.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from pathlib import Path
 
 from magistral_cli.errors import UserError
 
+from .keys import native_to_transformers_key, to_transformers_key
 from .safetensors_io import TensorSpec, read_safetensors_header
 
 WEIGHT_INDEX = "model.safetensors.index.json"
@@ -35,6 +39,12 @@ class HFWeights:
     files: dict[str, list[TensorSpec]]
     #: ``metadata`` of model.safetensors.index.json (empty for a single file).
     index_metadata: dict = field(default_factory=dict)
+    #: Mistral's native layout (consolidated.safetensors): native names, q/k rows in rotary order.
+    native: bool = False
+
+    def transformers_key(self, key: str) -> str:
+        """The transformers key of a source key (``KeyError`` for a key of no known layout)."""
+        return native_to_transformers_key(key) if self.native else to_transformers_key(key)
 
     @property
     def total_bytes(self) -> int:
@@ -43,17 +53,21 @@ class HFWeights:
 
 def require_model_dir(model_dir: str | Path) -> Path:
     """``model_dir`` as a Path, after checking it is a directory with config.json."""
+    from magistral_cli.model_config import PARAMS_FILE
+
     path = Path(model_dir)
     if not path.is_dir():
         raise UserError(f"model directory {path} does not exist; pass the directory `magistral fetch` wrote")
-    if not (path / CONFIG).is_file():
-        raise UserError(f"{path} has no {CONFIG}; pass a Hugging Face model directory (`magistral fetch`)")
+    if not (path / CONFIG).is_file() and not (path / PARAMS_FILE).is_file():
+        raise UserError(
+            f"{path} has neither {CONFIG} nor Mistral's {PARAMS_FILE}; pass a model directory (`magistral fetch`)"
+        )
     return path
 
 
-def read_weight_index(model_dir: Path) -> tuple[dict[str, str], dict] | None:
-    """(weight_map, metadata) of model.safetensors.index.json, or None without one."""
-    index_path = model_dir / WEIGHT_INDEX
+def read_weight_index(model_dir: Path, name: str = WEIGHT_INDEX) -> tuple[dict[str, str], dict] | None:
+    """(weight_map, metadata) of model.safetensors.index.json (or the index ``name``), or None without one."""
+    index_path = model_dir / name
     if not index_path.is_file():
         return None
     try:
@@ -69,33 +83,37 @@ def read_weight_index(model_dir: Path) -> tuple[dict[str, str], dict] | None:
 
 def read_hf_weights(model_dir: str | Path) -> HFWeights:
     """The shards of ``model_dir`` and their tensors (headers only: no tensor data is read)."""
+    from .native import NATIVE_INDEX, NATIVE_WEIGHTS, is_native_dir
+
     model_dir = require_model_dir(model_dir)
-    index = read_weight_index(model_dir)
+    native = is_native_dir(model_dir)
+    index_name, single = (NATIVE_INDEX, NATIVE_WEIGHTS) if native else (WEIGHT_INDEX, SINGLE_WEIGHTS)
+    index = read_weight_index(model_dir, index_name)
     if index is None:
-        if not (model_dir / SINGLE_WEIGHTS).is_file():
+        if not (model_dir / single).is_file():
             raise UserError(
-                f"{model_dir} has neither {WEIGHT_INDEX} nor {SINGLE_WEIGHTS}; "
+                f"{model_dir} has neither {WEIGHT_INDEX} nor {SINGLE_WEIGHTS} (nor Mistral's {NATIVE_WEIGHTS}); "
                 "download the weights with `magistral fetch` (without --no-weights)"
             )
-        specs, _ = read_safetensors_header(model_dir / SINGLE_WEIGHTS)
-        return HFWeights(model_dir, {SINGLE_WEIGHTS: specs})
+        specs, _ = read_safetensors_header(model_dir / single)
+        return HFWeights(model_dir, {single: specs}, native=native)
     weight_map, metadata = index
     files: dict[str, list[TensorSpec]] = {}
     for name in sorted(set(weight_map.values())):
         if not (model_dir / name).is_file():
-            raise UserError(f"{model_dir / name} is listed in {WEIGHT_INDEX} but missing; fetch it again")
+            raise UserError(f"{model_dir / name} is listed in {index_name} but missing; fetch it again")
         specs, _ = read_safetensors_header(model_dir / name)
         listed = {k for k, v in weight_map.items() if v == name}
         present = {s.name for s in specs}
         if listed - present:
             missing = sorted(listed - present)
             raise UserError(
-                f"{model_dir / name} lacks {len(missing)} tensors that {WEIGHT_INDEX} assigns to it, "
+                f"{model_dir / name} lacks {len(missing)} tensors that {index_name} assigns to it, "
                 f"e.g. {missing[:5]}; fetch it again"
             )
         # A file may hold tensors the index does not list; the index decides, as in transformers.
         files[name] = [s for s in specs if s.name in listed]
-    return HFWeights(model_dir, files, metadata)
+    return HFWeights(model_dir, files, metadata, native=native)
 
 
 def support_files(model_dir: Path) -> list[Path]:

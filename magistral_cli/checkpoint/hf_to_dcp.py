@@ -31,7 +31,7 @@ from pathlib import Path
 from magistral_cli.errors import CheckFailed, UserError
 
 from .hf import HFWeights, read_hf_weights, require_model_dir
-from .keys import CONVERSION_LAYOUTS, MEGATRON_PREFIX, to_transformers_key
+from .keys import CONVERSION_LAYOUTS, MEGATRON_PREFIX
 from .layout import MEGATRON_RELEASE_DIR, MEGATRON_TRACKER
 from .safetensors_io import TensorSpec
 from .staging import refuse_existing, staged_directory
@@ -87,7 +87,7 @@ def _source_keys(weights: HFWeights) -> dict[str, dict[str, str]]:
         out[name] = {}
         for spec in specs:
             try:
-                key = to_transformers_key(spec.name)
+                key = weights.transformers_key(spec.name)
             except KeyError:
                 key = spec.name
             if key in seen:
@@ -98,6 +98,23 @@ def _source_keys(weights: HFWeights) -> dict[str, dict[str, str]]:
             seen[key] = f"{spec.name} ({name})"
             out[name][spec.name] = key
     return out
+
+
+def _native_reader(model_dir: Path):
+    """``read(shard, name)`` for Mistral's native layout: the tensor, with the query and key rows
+    back in transformers' order (a copy of those tensors; the others stay views of the file)."""
+    from magistral_cli.model_config import read_model_config
+
+    from .native import from_native_rows, rotary_head_dim
+
+    config = read_model_config(model_dir, what="model directory")
+
+    def read(shard, name: str):
+        tensor = shard.get_tensor(name)
+        head_dim = rotary_head_dim(name, config)
+        return tensor if head_dim is None else from_native_rows(tensor, head_dim)
+
+    return read
 
 
 def _state(layout: str, tensors: dict[str, object], first: bool) -> dict:
@@ -160,7 +177,8 @@ def convert_hf_to_dcp(
     ``layout="fsdp2"``: the DCP keys are transformers' ``Mistral3ForConditionalGeneration`` keys
     at the root. ``layout="megatron"``: ``{"model": {"model." + key: ...}, "checkpoint_version"}``
     (flattened keys ``model.model.<key>``) under ``dcp_dir/release`` plus Megatron's tracker file.
-    Source keys may be official or transformers keys. Values and dtypes are kept exactly. The keys,
+    Source keys may be official or transformers keys, or ``model_dir`` may be in Mistral's native
+    layout (``consolidated.safetensors`` + ``params.json``; config.json, when present, still decides). Values and dtypes are kept exactly. The keys,
     shapes and dtypes are validated against config.json before and after writing: every tensor
     floating point and of config.json's ``dtype``, unless ``allow_dtype_mismatch`` accepts other
     floating dtypes (integer and bool tensors are refused regardless). ``dcp_dir`` must not
@@ -197,6 +215,7 @@ def convert_hf_to_dcp(
     total = weights.total_bytes
     done = 0
     started = time.perf_counter()
+    read = _native_reader(model_dir) if weights.native else lambda f, name: f.get_tensor(name)
 
     def advance(nbytes: int) -> None:
         nonlocal done
@@ -239,7 +258,7 @@ def convert_hf_to_dcp(
             except Exception as exc:  # safetensors' SafetensorError: say which file, not a Rust message
                 raise CheckFailed(f"{model_dir / name} cannot be read ({exc}); fetch it again") from None
             with shard as f:
-                tensors = {keymap[name][s.name]: f.get_tensor(s.name) for s in weights.files[name]}
+                tensors = {keymap[name][s.name]: read(f, s.name) for s in weights.files[name]}
                 planner = _CountingSavePlanner.make(advance)
                 planner.set_up_planner(
                     _state(layout, tensors, i == 0), writer.storage_meta(), is_coordinator=i == 0

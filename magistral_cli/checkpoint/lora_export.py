@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from magistral_cli.run_record import RESOLVED_CONFIG
 from .hf import CONFIG, WEIGHT_INDEX, read_hf_weights, read_weight_index, require_model_dir, support_files
 from .keys import DCP_MODEL_PREFIX, to_transformers_key
 from .layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from .safetensors_io import SafetensorsStreamWriter, read_safetensors_header
+from .safetensors_io import SafetensorsStreamWriter, read_data_offsets, read_safetensors_header
 from .staging import refuse_existing, staged_directory
 from .validate import read_dcp_metadata, resolve_dcp_checkpoint
 
@@ -343,15 +342,6 @@ def merged_weight(weight, lora_a, lora_b, scaling: float):
     return (weight.to(torch.float32) + delta).to(weight.dtype)
 
 
-def _data_offsets(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:
-    """(start of the data section, name -> (begin, end) within it) of a safetensors file."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return 8 + n, {k: (v["data_offsets"][0], v["data_offsets"][1]) for k, v in header.items()}
-
-
 def export_lora_merged(
     dcp_dir: str | Path,
     base_dir: str | Path,
@@ -386,7 +376,7 @@ def export_lora_merged(
         for name, specs in weights.files.items():
             source = base_dir / name
             _, metadata = read_safetensors_header(source)
-            data_start, offsets = _data_offsets(source)
+            data_start, offsets = read_data_offsets(source)
             writer = SafetensorsStreamWriter(tmp / name, specs, metadata=metadata or None)
             fd = os.open(source, os.O_RDONLY)
             try:
@@ -433,6 +423,55 @@ def export_lora_merged(
     return result
 
 
+def export_lora_merged_native(
+    dcp_dir: str | Path,
+    base_dir: str | Path,
+    out_dir: str | Path,
+    fsync: bool = False,
+    progress=None,
+    allow_unverified: bool = False,
+) -> LoraExportResult:
+    """The merged weights (as ``export_lora_merged`` computes them) in Mistral's native layout:
+    the base's tensors written by ``dcp_to_hf.export_hf_to_native`` with the merge folded in."""
+    from .dcp_to_hf import export_hf_to_native
+
+    started = time.perf_counter()
+    base_dir = require_model_dir(base_dir)
+    refuse_existing(Path(out_dir), "output directory")
+    ck = read_lora_checkpoint(dcp_dir, allow_unverified)
+    _check_against_base(ck, _base_specs(base_dir), base_dir)
+    targets = set(ck.targets)
+    trained_full = {k for k in ck.tensors if k.rsplit(".", 1)[0] in set(ck.modules_to_save)}
+    counts = {"merged": 0, "replaced": 0}
+
+    def replace(key: str, read):
+        module = key.rsplit(".", 1)[0]
+        if key.endswith(".weight") and module in targets:
+            counts["merged"] += 1
+            return merged_weight(read(), *ck.lora_pair(module), ck.scaling)
+        if key in trained_full:
+            counts["replaced"] += 1
+            return ck.tensors[key].to(read().dtype).contiguous()
+        return None
+
+    written = export_hf_to_native(
+        base_dir, out_dir, progress=progress, fsync=fsync, replace=replace, checkpoint_dir=ck.path
+    )
+    return LoraExportResult(
+        out_dir=written.out_dir,
+        checkpoint_dir=ck.path,
+        mode="merged",
+        files=written.files,
+        tensors=written.tensors,
+        merged=counts["merged"],
+        replaced=counts["replaced"],
+        copied_tensors=written.tensors - counts["merged"] - counts["replaced"],
+        bytes=written.bytes,
+        seconds=time.perf_counter() - started,
+        copied=written.copied,
+    )
+
+
 def export_lora(
     dcp_dir: str | Path,
     base_dir: str | Path,
@@ -441,8 +480,18 @@ def export_lora(
     fsync: bool = False,
     progress=None,
     allow_unverified: bool = False,
+    format: str = "hf",
 ) -> LoraExportResult:
-    """``mode`` ``adapters`` (PEFT files) or ``merged`` (full HF weights) of a LoRA training checkpoint."""
+    """``mode`` ``adapters`` (PEFT files) or ``merged`` (full weights: HF, or with ``format="mistral"``
+    Mistral's native layout) of a LoRA training checkpoint."""
+    if format == "mistral":
+        if mode != "merged":
+            raise UserError(
+                "--format mistral writes full weights: use it with --lora merged (adapters are PEFT files)"
+            )
+        return export_lora_merged_native(
+            dcp_dir, base_dir, out_dir, fsync=fsync, progress=progress, allow_unverified=allow_unverified
+        )
     if mode == "adapters":
         return export_lora_adapters(
             dcp_dir, base_dir, out_dir, fsync=fsync, allow_unverified=allow_unverified

@@ -131,6 +131,16 @@ def read_safetensors_header(path: str | Path) -> tuple[list[TensorSpec], dict[st
     return specs, metadata
 
 
+def read_data_offsets(path: str | Path) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(start of the data section, name -> (begin, end) within it) of a safetensors file, for
+    copying a tensor's bytes as they are (``SafetensorsStreamWriter.copy_range``)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return 8 + n, {k: (v["data_offsets"][0], v["data_offsets"][1]) for k, v in header.items()}
+
+
 def safetensors_layout(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
     """The order in which ``safetensors`` stores tensors: by dtype (widest enum first), then by name."""
     return sorted(specs, key=lambda s: (-_ORDER.index(s.dtype), s.name))

@@ -34,6 +34,11 @@ class HFLayout(str, Enum):
     transformers = "transformers"
 
 
+class ExportFormat(str, Enum):
+    hf = "hf"
+    mistral = "mistral"
+
+
 class LoraExport(str, Enum):
     adapters = "adapters"
     merged = "merged"
@@ -107,7 +112,15 @@ def _progress(description: str) -> Iterator[Callable[[int, int], None]]:
 
 @convert_app.command("hf-to-dcp")
 def hf_to_dcp(
-    model_dir: ModelDir,
+    model_dir: Annotated[
+        Path,
+        typer.Option(
+            "--model-dir",
+            help="HF model directory (config.json, weights, tokenizer), or Mistral's native layout "
+            "(params.json + consolidated*.safetensors).",
+            show_default=False,
+        ),
+    ],
     dcp_dir: Annotated[
         Path, typer.Option("--dcp-dir", help="New DCP directory (must not exist).", show_default=False)
     ],
@@ -179,18 +192,19 @@ def validate(
 
 @convert_app.command("dcp-to-hf")
 def dcp_to_hf(
-    dcp_dir: Annotated[
-        Path,
-        typer.Option(
-            "--dcp-dir",
-            help="DCP checkpoint: a conversion (either layout), a training checkpoint (checkpoints/step_N), or a "
-            "run's checkpoints/ (its newest intact checkpoint). Training checkpoints are verified first.",
-            show_default=False,
-        ),
-    ],
     out_dir: Annotated[
         Path, typer.Option("--out-dir", help="New HF model directory (must not exist).", show_default=False)
     ],
+    dcp_dir: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--dcp-dir",
+            help="DCP checkpoint: a conversion (either layout), a training checkpoint (checkpoints/step_N), or a "
+            "run's checkpoints/ (its newest intact checkpoint). Training checkpoints are verified first. "
+            "Without it, --format mistral writes --model-dir's own weights in the native layout.",
+            show_default=False,
+        ),
+    ] = None,
     model_dir: Annotated[
         Optional[Path],
         typer.Option(
@@ -203,6 +217,15 @@ def dcp_to_hf(
         HFLayout,
         typer.Option("--layout", help="Key names: official (the mistralai repository) or transformers."),
     ] = HFLayout.official,
+    export_format: Annotated[
+        ExportFormat,
+        typer.Option(
+            "--format",
+            help="hf: safetensors shards with config and tokenizer files (transformers, vLLM). mistral: Mistral's "
+            "native layout, consolidated.safetensors + params.json + tekken.json (vLLM with --tokenizer-mode "
+            "mistral --config-format mistral --load-format mistral); with --lora, merged only.",
+        ),
+    ] = ExportFormat.hf,
     fsync: Fsync = False,
     allow_dtype_mismatch: AllowDtypeMismatch = False,
     lora: Annotated[
@@ -228,25 +251,48 @@ def dcp_to_hf(
     allow_unverified: AllowUnverified = False,
     json_out: JsonOut = False,
 ) -> None:
-    """Export the model weights of a DCP checkpoint as HF safetensors with the source's file split."""
+    """Export the model weights of a DCP checkpoint as HF safetensors with the source's file split, or in
+    Mistral's native layout (--format mistral)."""
     from magistral_cli.checkpoint.dcp_to_hf import export_dcp_to_hf
     from magistral_cli.checkpoint.staging import refuse_existing
     from magistral_cli.checkpoint.validate import resolve_dcp_checkpoint
     from magistral_cli.errors import UserError
 
+    native = export_format is ExportFormat.mistral
     if merge and lora is LoraExport.adapters:
         raise UserError("--merge means --lora merged; drop one of --merge and --lora adapters")
     mode = LoraExport.merged if merge else lora
+    if mode is LoraExport.adapters and native:
+        raise UserError(
+            "--format mistral writes full weights: use --lora merged, or --format hf for the adapters"
+        )
     if mode is None and model_dir is None and base is None:
         raise UserError(
             "--model-dir is required: the HF model directory the checkpoint belongs to (a LoRA run's checkpoint "
             "is exported with --lora adapters or --lora merged)"
         )
+    if dcp_dir is None:
+        if not native or mode is not None:
+            raise UserError(
+                "--dcp-dir is required: the checkpoint to export (only --format mistral without --lora exports "
+                "--model-dir's own weights)"
+            )
+        _export_model_dir_native(model_dir or base, out_dir, fsync, json_out)
+        return
     refuse_existing(out_dir, "output directory")  # before the checkpoint is read (and verified)
     # Resolved and verified once: from a run's checkpoints/, the newest intact step_N.
     checkpoint = resolve_dcp_checkpoint(dcp_dir, allow_unverified)
     if mode is not None:
-        _export_lora(checkpoint, base or model_dir, out_dir, mode.value, fsync, json_out, allow_unverified)
+        _export_lora(
+            checkpoint,
+            base or model_dir,
+            out_dir,
+            mode.value,
+            fsync,
+            json_out,
+            allow_unverified,
+            export_format.value,
+        )
         return
     from magistral_cli.checkpoint.lora_export import is_lora_checkpoint
 
@@ -257,7 +303,7 @@ def dcp_to_hf(
         )
     model_dir = model_dir or base
 
-    with _progress(f"dcp-to-hf ({layout.value})") as progress:
+    with _progress(f"dcp-to-hf ({export_format.value if native else layout.value})") as progress:
         result = export_dcp_to_hf(
             checkpoint,
             model_dir,
@@ -267,12 +313,28 @@ def dcp_to_hf(
             fsync=fsync,
             allow_dtype_mismatch=allow_dtype_mismatch,
             allow_unverified=allow_unverified,
+            format=export_format.value,
         )
+    _print_export(result, f"from a {result.dcp_layout}-layout DCP")
+    if json_out:
+        emit_json(result.to_dict())
+
+
+def _print_export(result, source: str) -> None:
+    wrote = "wrote" if result.layout != "mistral" else "wrote (Mistral's native layout)"
     console.print(
-        f"[green]wrote[/] {result.out_dir}: {len(result.files)} safetensors files, {result.tensors} tensors "
-        f"({result.layout} keys, from a {result.dcp_layout}-layout DCP), "
-        f"{result.bytes / 2**20:.1f} MiB in {result.seconds:.1f} s; copied {', '.join(result.copied)}"
+        f"[green]{wrote}[/] {result.out_dir}: {len(result.files)} safetensors files, {result.tensors} tensors "
+        f"({result.layout} keys, {source}), "
+        f"{result.bytes / 2**20:.1f} MiB in {result.seconds:.1f} s; wrote or copied {', '.join(result.copied)}"
     )
+
+
+def _export_model_dir_native(model_dir: Path, out_dir: Path, fsync: bool, json_out: bool) -> None:
+    from magistral_cli.checkpoint.dcp_to_hf import export_hf_to_native
+
+    with _progress("dcp-to-hf (mistral)") as progress:
+        result = export_hf_to_native(model_dir, out_dir, progress=progress, fsync=fsync)
+    _print_export(result, f"from the model directory {model_dir}")
     if json_out:
         emit_json(result.to_dict())
 
@@ -285,6 +347,7 @@ def _export_lora(
     fsync: bool,
     json_out: bool,
     allow_unverified: bool,
+    export_format: str = "hf",
 ) -> None:
     from magistral_cli.checkpoint.lora_export import default_base, export_lora
     from magistral_cli.errors import UserError
@@ -297,7 +360,14 @@ def _export_lora(
         )
     with _progress(f"dcp-to-hf (lora {mode})") as progress:
         result = export_lora(
-            dcp_dir, base, out_dir, mode, fsync=fsync, progress=progress, allow_unverified=allow_unverified
+            dcp_dir,
+            base,
+            out_dir,
+            mode,
+            fsync=fsync,
+            progress=progress,
+            allow_unverified=allow_unverified,
+            format=export_format,
         )
     if mode == "adapters":
         what = (

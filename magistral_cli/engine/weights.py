@@ -3,7 +3,7 @@
 Three sources, one rule: every rank reads only the slices of the tensors it holds.
 
 - ``hf``: safetensors shards (official or transformers key layout; ``model.safetensors.index.json``
-  or a single ``model.safetensors``). Keys go through ``checkpoint.keys.to_transformers_key``;
+  or a single ``model.safetensors``), or Mistral's native ``consolidated*.safetensors`` (``checkpoint.native``). Keys go through ``checkpoint.keys.to_transformers_key``;
   each DTensor's local shard is read with safetensors' lazy slicing.
 - ``dcp``: a torch.distributed.checkpoint directory: the fsdp2 layout (transformers keys at the
   root), the megatron layout (``"model." + key``, in ``<dir>/release/``) or one of our training
@@ -24,8 +24,15 @@ import torch
 from torch import nn
 
 from magistral_cli.checkpoint.hf import SINGLE_WEIGHTS, WEIGHT_INDEX
-from magistral_cli.checkpoint.keys import DCP_MODEL_PREFIX, to_transformers_key
+from magistral_cli.checkpoint.keys import DCP_MODEL_PREFIX, native_to_transformers_key, to_transformers_key
 from magistral_cli.checkpoint.layout import DCP_METADATA, MEGATRON_RELEASE_DIR, is_dcp_dir
+from magistral_cli.checkpoint.native import (
+    NATIVE_INDEX,
+    NATIVE_WEIGHTS,
+    from_native_rows,
+    is_native_dir,
+    rotary_head_dim,
+)
 from magistral_cli.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -41,8 +48,9 @@ class LoadReport:
 
 
 def detect_format(path: Path) -> str:
-    """``hf`` or ``dcp`` for an existing directory (a megatron DCP keeps its files in ``release/``)."""
-    if (path / WEIGHT_INDEX).is_file() or (path / SINGLE_WEIGHTS).is_file():
+    """``hf`` or ``dcp`` for an existing directory (a megatron DCP keeps its files in ``release/``);
+    Mistral's native layout (consolidated.safetensors + params.json) is read as ``hf``."""
+    if (path / WEIGHT_INDEX).is_file() or (path / SINGLE_WEIGHTS).is_file() or is_native_dir(path):
         return "hf"
     if is_dcp_dir(path) or is_dcp_dir(path / MEGATRON_RELEASE_DIR):
         return "dcp"
@@ -117,29 +125,34 @@ def _require_floating(path: Path, key: str, dtype, where: str) -> None:
         )
 
 
-def _hf_weight_map(path: Path) -> dict[str, str]:
+def _hf_weight_map(path: Path, native: bool = False) -> dict[str, str]:
     """source key -> file name."""
-    index = path / WEIGHT_INDEX
+    index_name, single = (NATIVE_INDEX, NATIVE_WEIGHTS) if native else (WEIGHT_INDEX, SINGLE_WEIGHTS)
+    index = path / index_name
     if index.is_file():
         return dict(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
     from safetensors import safe_open
 
-    with safe_open(str(path / SINGLE_WEIGHTS), framework="pt") as f:
-        return dict.fromkeys(f.keys(), SINGLE_WEIGHTS)
+    with safe_open(str(path / single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
 
 
 def load_hf(model: nn.Module, path: Path, strict: bool) -> LoadReport:
-    """Read safetensors shards (official or transformers keys) into the model's local shards."""
+    """Read safetensors shards (official or transformers keys, or Mistral's native layout) into the
+    model's local shards. A native query or key weight is read whole and its rows put back in
+    transformers' order before the local slice is taken."""
     from safetensors import safe_open
 
-    report = LoadReport(source=str(path), fmt="hf")
-    weight_map = _hf_weight_map(path)
+    native = is_native_dir(path)
+    report = LoadReport(source=str(path), fmt="mistral" if native else "hf")
+    weight_map = _hf_weight_map(path, native)
+    to_key = native_to_transformers_key if native else to_transformers_key
     by_key: dict[str, tuple[str, str]] = {}  # transformers key -> (source key, file)
     problems: list[str] = []
     unmappable: set[str] = set()
     for key, fname in weight_map.items():
         try:
-            by_key[to_transformers_key(key)] = (key, fname)
+            by_key[to_key(key)] = (key, fname)
         except KeyError:
             unmappable.add(key)
     targets = load_targets(model)
@@ -161,7 +174,10 @@ def load_hf(model: nn.Module, path: Path, strict: bool) -> LoadReport:
                         )
                         continue
                     local, slices = local_slices(targets[key])
-                    if local.numel():
+                    head_dim = rotary_head_dim(by_key[key][0], model.config) if native else None
+                    if local.numel() and head_dim is not None:
+                        local.copy_(from_native_rows(f.get_tensor(by_key[key][0]), head_dim)[slices])
+                    elif local.numel():
                         local.copy_(source[slices])
                     report.loaded += 1
     if problems:

@@ -188,8 +188,11 @@ def memory_plan(
     not. A config that is there but unreadable, or a module pattern that matches nothing, is the
     user's error (UserError) like any other bad input.
     """
+    from magistral_cli.model_config import CONFIG_FILE, PARAMS_FILE
+
     model_dir = recipe.model.model_name_or_path
-    if not model_dir or not (Path(model_dir) / "config.json").is_file():
+    # A directory of Mistral's native layout describes the model in params.json instead.
+    if not model_dir or not any((Path(model_dir) / name).is_file() for name in (CONFIG_FILE, PARAMS_FILE)):
         if required:
             raise UserError(
                 f"model.model_name_or_path {model_dir} holds no config.json; point it at the model directory "

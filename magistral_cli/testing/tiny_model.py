@@ -76,6 +76,7 @@ def tiny_mistral3_config(
         "patch_size": patch_size,
         "num_channels": 3,
         "rope_theta": 10000.0,
+        "hidden_act": "silu",  # as the published config.json (PixtralVisionConfig's default is gelu)
     }
     if tie is not None:
         text["tie_word_embeddings"] = tie
