@@ -37,6 +37,7 @@ from magistral_cli.errors import CheckFailed, MagistralError, UserError
 from .hf import (
     SINGLE_WEIGHTS,
     WEIGHT_INDEX,
+    native_shard_name,
     read_hf_weights,
     read_weight_index,
     require_model_dir,
@@ -48,7 +49,7 @@ from .keys import (
     transformers_to_native_key,
     transformers_to_official_key,
 )
-from .native import native_shard_name, rotary_head_dim, write_native_files, write_rows
+from .native import rotary_head_dim, write_native_files, write_rows
 from .safetensors_io import SafetensorsStreamWriter, TensorSpec, safetensors_dtype
 from .staging import refuse_existing, staged_directory
 from .validate import (

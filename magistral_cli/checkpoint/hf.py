@@ -21,6 +21,28 @@ from .safetensors_io import TensorSpec, read_safetensors_header
 WEIGHT_INDEX = "model.safetensors.index.json"
 SINGLE_WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
+#: Mistral's native layout (``checkpoint.native``): its weights, their index past one file, its tokenizer.
+NATIVE_WEIGHTS = "consolidated.safetensors"
+NATIVE_INDEX = "consolidated.safetensors.index.json"
+TEKKEN = "tekken.json"
+
+
+def native_shard_name(i: int, n: int) -> str:
+    """The ``i``-th (0-based) of ``n`` native weight files."""
+    return NATIVE_WEIGHTS if n == 1 else f"consolidated-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def is_native_dir(path: Path) -> bool:
+    """Whether ``path`` holds Mistral's native weights (``params.json`` and ``consolidated*.safetensors``)
+    and no transformers weights (a repository with both is read in its transformers layout)."""
+    from magistral_cli.model_config import PARAMS_FILE
+
+    if (path / WEIGHT_INDEX).is_file() or (path / SINGLE_WEIGHTS).is_file():
+        return False
+    return (path / PARAMS_FILE).is_file() and (
+        (path / NATIVE_INDEX).is_file() or (path / NATIVE_WEIGHTS).is_file()
+    )
+
 
 # Files of a model directory that dcp-to-hf does not copy next to the exported weights: the
 # weights themselves (written anew), other weight formats that would disagree with them
@@ -83,8 +105,6 @@ def read_weight_index(model_dir: Path, name: str = WEIGHT_INDEX) -> tuple[dict[s
 
 def read_hf_weights(model_dir: str | Path) -> HFWeights:
     """The shards of ``model_dir`` and their tensors (headers only: no tensor data is read)."""
-    from .native import NATIVE_INDEX, NATIVE_WEIGHTS, is_native_dir
-
     model_dir = require_model_dir(model_dir)
     native = is_native_dir(model_dir)
     index_name, single = (NATIVE_INDEX, NATIVE_WEIGHTS) if native else (WEIGHT_INDEX, SINGLE_WEIGHTS)

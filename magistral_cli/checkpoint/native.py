@@ -11,7 +11,8 @@ module adds is the one difference in the values and the files:
   transformers' Mistral3 conversion script permutes native -> transformers; ``to_native_rows`` is
   its inverse. It is a permutation of rows inside each head, so a block of rows can be written row
   by row (``native_row``) where it does not hold whole heads.
-- **Files.** ``consolidated.safetensors``, or ``consolidated-0000i-of-0000N.safetensors`` with
+- **Files** (their names are ``hf``'s, with the other files of a model directory).
+  ``consolidated.safetensors``, or ``consolidated-0000i-of-0000N.safetensors`` with
   ``consolidated.safetensors.index.json`` past the shard size; ``params.json`` (the base's own copy
   when it has one, else built from config.json); the base's ``tekken.json``.
 """
@@ -21,30 +22,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .hf import NATIVE_INDEX, TEKKEN
 from .keys import native_rotary_tower
-
-NATIVE_WEIGHTS = "consolidated.safetensors"
-NATIVE_INDEX = "consolidated.safetensors.index.json"
-TEKKEN = "tekken.json"
-
-
-def native_shard_name(i: int, n: int) -> str:
-    """The ``i``-th (0-based) of ``n`` native weight files."""
-    return NATIVE_WEIGHTS if n == 1 else f"consolidated-{i + 1:05d}-of-{n:05d}.safetensors"
-
-
-def is_native_dir(path: Path) -> bool:
-    """Whether ``path`` holds Mistral's native weights (``params.json`` and ``consolidated*.safetensors``)
-    and no transformers weights (a repository with both is read in its transformers layout)."""
-    from magistral_cli.model_config import PARAMS_FILE
-
-    from .hf import SINGLE_WEIGHTS, WEIGHT_INDEX
-
-    if (path / WEIGHT_INDEX).is_file() or (path / SINGLE_WEIGHTS).is_file():
-        return False
-    return (path / PARAMS_FILE).is_file() and (
-        (path / NATIVE_INDEX).is_file() or (path / NATIVE_WEIGHTS).is_file()
-    )
 
 
 def rotary_head_dim(native_key: str, config) -> int | None:

@@ -23,16 +23,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from magistral_cli.checkpoint.hf import SINGLE_WEIGHTS, WEIGHT_INDEX
-from magistral_cli.checkpoint.keys import DCP_MODEL_PREFIX, native_to_transformers_key, to_transformers_key
-from magistral_cli.checkpoint.layout import DCP_METADATA, MEGATRON_RELEASE_DIR, is_dcp_dir
-from magistral_cli.checkpoint.native import (
+from magistral_cli.checkpoint.hf import (
     NATIVE_INDEX,
     NATIVE_WEIGHTS,
-    from_native_rows,
+    SINGLE_WEIGHTS,
+    WEIGHT_INDEX,
     is_native_dir,
-    rotary_head_dim,
 )
+from magistral_cli.checkpoint.keys import DCP_MODEL_PREFIX, native_to_transformers_key, to_transformers_key
+from magistral_cli.checkpoint.layout import DCP_METADATA, MEGATRON_RELEASE_DIR, is_dcp_dir
+from magistral_cli.checkpoint.native import from_native_rows, rotary_head_dim
 from magistral_cli.errors import UserError
 
 log = logging.getLogger(__name__)

@@ -187,6 +187,29 @@ def test_merged_weights_give_the_trained_logits_in_the_bases_split(trained, tmp_
     torch.testing.assert_close(logits, trained["logits"], atol=1e-5, rtol=1e-5)
 
 
+def test_merged_in_the_native_layout_is_the_merged_export_written_natively(trained, tmp_path):
+    """--lora merged --format mistral: the same merge, through the native writer (bf16 base)."""
+    import shutil
+
+    from magistral_cli.checkpoint.dcp_to_hf import export_hf_to_native
+    from magistral_cli.checkpoint.lora_export import export_lora, export_lora_merged
+
+    base = tmp_path / "base"
+    shutil.copytree(trained["bf16"], base)
+    (base / "tekken.json").write_text("{}", encoding="utf-8")  # the native layout ships the base's tokenizer
+    native = export_lora(trained["checkpoint"], base, tmp_path / "native", "merged", format="mistral")
+    assert (native.merged, native.replaced) == (14, 1)
+    export_lora_merged(trained["checkpoint"], base, tmp_path / "merged")
+    export_hf_to_native(tmp_path / "merged", tmp_path / "native_of_merged")
+    assert sorted(p.name for p in (tmp_path / "native").iterdir()) == [
+        "consolidated.safetensors",
+        "params.json",
+        "tekken.json",
+    ]
+    for path in (tmp_path / "native").iterdir():
+        assert path.read_bytes() == (tmp_path / "native_of_merged" / path.name).read_bytes(), path.name
+
+
 def test_bf16_merge_rounds_once_and_equals_peft_merge_and_unload(trained, tmp_path):
     from peft import PeftModel
 

@@ -20,9 +20,10 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from magistral_cli.checkpoint.dcp_to_hf import export_dcp_to_hf, export_hf_to_native
+from magistral_cli.checkpoint.hf import NATIVE_INDEX, TEKKEN
 from magistral_cli.checkpoint.hf_to_dcp import convert_hf_to_dcp
 from magistral_cli.checkpoint.keys import to_transformers_key
-from magistral_cli.checkpoint.native import NATIVE_INDEX, TEKKEN, to_native_rows, write_rows
+from magistral_cli.checkpoint.native import to_native_rows, write_rows
 from magistral_cli.checkpoint.safetensors_io import (
     SafetensorsStreamWriter,
     TensorSpec,
