@@ -35,6 +35,7 @@ from pathlib import Path
 from magistral_cli.errors import CheckFailed, MagistralError, UserError
 
 from .hf import (
+    CONFIG,
     SINGLE_WEIGHTS,
     WEIGHT_INDEX,
     native_shard_name,
@@ -668,6 +669,11 @@ def export_dcp_to_hf(
             for path in support_files(model_dir):
                 shutil.copyfile(path, tmp / path.name)
                 copied.append(path.name)
+            if not (model_dir / CONFIG).is_file():  # a native base: its params.json as a config.json
+                from magistral_cli.model_config import read_model_config
+
+                read_model_config(model_dir, what="model directory").to_json_file(tmp / CONFIG)
+                copied.append(CONFIG)
     return ExportResult(
         out_dir=out_dir,
         checkpoint_dir=checkpoint_dir,

@@ -161,6 +161,16 @@ def test_hf_to_native_to_hf_is_bit_exact(base, tmp_path):
     export_dcp_to_hf(tmp_path / "dcp", base["hf"], tmp_path / "hf")
     for path in base["hf"].glob("*.safetensors"):
         assert (tmp_path / "hf" / path.name).read_bytes() == path.read_bytes(), path.name
+    # with only the native directory as the base, the HF export gets a config.json from params.json
+    from transformers import Mistral3ForConditionalGeneration
+
+    export_dcp_to_hf(tmp_path / "dcp", base["native"], tmp_path / "hf_from_native")
+    loaded = Mistral3ForConditionalGeneration.from_pretrained(
+        tmp_path / "hf_from_native", dtype=torch.bfloat16
+    )
+    source = {to_transformers_key(k): v for k, v in read_dir(base["hf"]).items()}
+    assert loaded.state_dict().keys() == source.keys()
+    assert all(torch.equal(v, source[k]) for k, v in loaded.state_dict().items())
     # and a DCP exported natively writes the same bytes as the export from the HF directory
     export_dcp_to_hf(tmp_path / "dcp", base["hf"], tmp_path / "native", format="mistral")
     for path in base["native"].iterdir():
