@@ -208,12 +208,18 @@ def config_from_params(params: dict, where: str = PARAMS_FILE):
         )
         text.update(
             model_type="mistral",
+            hidden_act="silu",
             sliding_window=None,
             tie_word_embeddings=bool(params.get("tied_embeddings", False)),
         )
         encoder = params["vision_encoder"]
         vision = {attr: encoder[key] for key, attr in _PARAMS_VISION.items() if key != "max_image_size"}
-        vision.update(model_type="pixtral", head_dim=encoder["hidden_size"] // encoder["num_attention_heads"])
+        # SiLU, as mistral-inference's vision encoder (PixtralVisionConfig's own default is GELU).
+        vision.update(
+            model_type="pixtral",
+            hidden_act="silu",
+            head_dim=encoder["hidden_size"] // encoder["num_attention_heads"],
+        )
         config = Mistral3Config(
             text_config=text,
             vision_config=vision,
