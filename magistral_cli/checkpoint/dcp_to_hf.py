@@ -50,7 +50,7 @@ from .keys import (
     transformers_to_native_key,
     transformers_to_official_key,
 )
-from .native import rotary_head_dim, write_native_files, write_rows
+from .native import check_native_base, rotary_head_dim, write_native_files, write_rows
 from .safetensors_io import SafetensorsStreamWriter, TensorSpec, safetensors_dtype
 from .staging import refuse_existing, staged_directory
 from .validate import (
@@ -547,10 +547,10 @@ def export_dcp_to_hf(
 
     config = None
     if native:
-        from magistral_cli.model_config import params_from_config, read_model_config
+        from magistral_cli.model_config import read_model_config
 
         config = read_model_config(model_dir, what="model directory")
-        params_from_config(config)  # refuses a model the native layout cannot hold, before any write
+        check_native_base(model_dir, config)
     files, index_metadata = ({}, {}) if native else plan_output_files(model_dir)
     if not files:
         present = [k for k in expected.shapes if prefix + k in shapes and k not in expected.aliases]
@@ -709,7 +709,7 @@ def export_hf_to_native(
 
     from safetensors import safe_open
 
-    from magistral_cli.model_config import params_from_config, read_model_config
+    from magistral_cli.model_config import read_model_config
 
     from .keys import native_to_transformers_key
     from .safetensors_io import read_data_offsets
@@ -724,7 +724,7 @@ def export_hf_to_native(
             f"{model_dir} is already in Mistral's native layout; copy it, or export a checkpoint of it"
         )
     config = read_model_config(model_dir, what="model directory")
-    params_from_config(config)  # refuses a model the native layout cannot hold, before any write
+    check_native_base(model_dir, config)
     expected = model_keys(model_dir)
     source: dict[str, tuple[str, TensorSpec]] = {}
     for name, file_specs in weights.files.items():

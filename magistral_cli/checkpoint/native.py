@@ -20,7 +20,11 @@ module adds is the one difference in the values and the files:
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+
+from magistral_cli.errors import UserError
+from magistral_cli.model_config import PARAMS_FILE, params_from_config
 
 from .hf import NATIVE_INDEX, TEKKEN
 from .keys import native_rotary_tower
@@ -69,44 +73,42 @@ def write_rows(writer, name: str, tensor, row_offset: int, head_dim: int) -> int
     )
 
 
-def native_params(model_dir: Path, config) -> tuple[dict, str]:
-    """(params.json, where it came from): the base's own ``params.json`` when ``model_dir`` has one,
-    else built from its config (``model_config.params_from_config``)."""
-    from magistral_cli.model_config import PARAMS_FILE, params_from_config
-
-    path = model_dir / PARAMS_FILE
-    if path.is_file():
-        from magistral_cli.errors import UserError
-
-        try:
-            return json.loads(path.read_text(encoding="utf-8")), "base"
-        except (OSError, ValueError) as exc:
-            raise UserError(f"{path} cannot be read ({exc}); download it again") from None
-    return params_from_config(config), "config.json"
-
-
-def write_native_files(
-    tmp: Path, model_dir: Path, config, weight_map: dict[str, str], total: int
-) -> list[str]:
-    """Write params.json, the index (when there are several weight files) and copy the base's
-    tekken.json into ``tmp``; returns the names of the files written besides the weights."""
-    import shutil
-
-    from magistral_cli.errors import UserError
-    from magistral_cli.model_config import PARAMS_FILE
-
-    params, _ = native_params(model_dir, config)
-    (tmp / PARAMS_FILE).write_text(json.dumps(params, indent=2) + "\n", encoding="utf-8")
-    written = [PARAMS_FILE]
-    if len(set(weight_map.values())) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (tmp / NATIVE_INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-        written.append(NATIVE_INDEX)
+def check_native_base(model_dir: Path, config) -> None:
+    """Refuse, before anything is written, a base the native layout cannot be made from: a model
+    params.json cannot describe, or no tekken.json to ship with the weights."""
+    if not (model_dir / PARAMS_FILE).is_file():
+        params_from_config(config)  # raises on what the native layout cannot say
     if not (model_dir / TEKKEN).is_file():
         raise UserError(
             f"{model_dir} has no {TEKKEN}: Mistral's native layout is served with its tokenizer; "
             "fetch the model with `magistral fetch` (it downloads tekken.json)"
         )
+
+
+def native_params(model_dir: Path, config) -> dict:
+    """params.json: the base's own when ``model_dir`` has one, else built from its config."""
+    path = model_dir / PARAMS_FILE
+    if not path.is_file():
+        return params_from_config(config)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path} cannot be read ({exc}); download it again") from None
+
+
+def write_native_files(
+    tmp: Path, model_dir: Path, config, weight_map: dict[str, str], total: int
+) -> list[str]:
+    """Write params.json, the index (when there are several weight files) and the base's tekken.json
+    into ``tmp`` (``check_native_base`` has passed); returns their names."""
+    (tmp / PARAMS_FILE).write_text(
+        json.dumps(native_params(model_dir, config), indent=2) + "\n", encoding="utf-8"
+    )
+    written = [PARAMS_FILE]
+    if len(set(weight_map.values())) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / NATIVE_INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        written.append(NATIVE_INDEX)
     shutil.copyfile(model_dir / TEKKEN, tmp / TEKKEN)
     written.append(TEKKEN)
     return written

@@ -312,6 +312,15 @@ def test_the_bases_own_params_json_is_written(base, tmp_path):
     assert json.loads((tmp_path / "out" / "params.json").read_text()) == own
 
 
+def test_a_base_without_tekken_json_is_refused_before_anything_is_written(base, tmp_path):
+    model_dir = tmp_path / "no_tokenizer"
+    shutil.copytree(base["hf"], model_dir)
+    (model_dir / TEKKEN).unlink()
+    with pytest.raises(UserError, match="has no tekken.json"):
+        export_hf_to_native(model_dir, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_model_the_native_layout_cannot_hold_is_refused():
     config = tiny_mistral3_config(vocab_size=512)
     config.vision_config.hidden_act = "gelu"
