@@ -63,3 +63,19 @@ def test_fsdp2_sharded_checkpoint_exports_whole_tensors(tiny_hf, tmp_path, recor
     assert len(exported) == len(tiny_hf.state)
     for key, value in tiny_hf.state.items():
         assert torch.equal(exported[transformers_to_official_key(key)], value), key
+
+    # The native layout from the same row blocks (the query and key rows move; direct copies and
+    # DCP's reader agree) equals the native export of the source model directory.
+    import shutil
+
+    from magistral_cli.checkpoint.dcp_to_hf import export_hf_to_native
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_hf.hf_dir, base)
+    (base / "tekken.json").write_text("{}", encoding="utf-8")
+    export_hf_to_native(base, tmp_path / "native_reference")
+    for direct in (True, False):
+        out = tmp_path / f"native_{direct}"
+        export_dcp_to_hf(ckpt, base, out, format="mistral", direct=direct)
+        for path in (tmp_path / "native_reference").iterdir():
+            assert (out / path.name).read_bytes() == path.read_bytes(), (direct, path.name)
