@@ -23,7 +23,7 @@ from magistral_cli.checkpoint.dcp_to_hf import export_dcp_to_hf, export_hf_to_na
 from magistral_cli.checkpoint.hf import NATIVE_INDEX, TEKKEN
 from magistral_cli.checkpoint.hf_to_dcp import convert_hf_to_dcp
 from magistral_cli.checkpoint.keys import to_transformers_key
-from magistral_cli.checkpoint.native import to_native_rows, write_rows
+from magistral_cli.checkpoint.native import from_native_rows, to_native_rows, write_rows
 from magistral_cli.checkpoint.safetensors_io import (
     SafetensorsStreamWriter,
     TensorSpec,
@@ -227,6 +227,19 @@ def test_a_block_of_rows_that_splits_heads_is_written_in_rotary_order(tmp_path):
         written = f.get_tensor("wq")
     assert torch.equal(written, to_native_rows(weight, 4))
     assert torch.equal(reference_from_native(written, 3), weight)
+
+
+@pytest.mark.parametrize(
+    ("rows", "heads"),
+    [(32 * 128, 32), (8 * 128, 8), (16 * 64, 16)],  # Magistral's q, k (decoder) and the vision tower's q/k
+    ids=["text-q", "text-k", "vision-qk"],
+)
+def test_full_width_query_and_key_rows_round_trip(rows, heads):
+    """At Magistral's own widths (columns cut to 8: the permutation is of rows), against the conversion's."""
+    weight = torch.randn(rows, 8, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    native = to_native_rows(weight, rows // heads)
+    assert torch.equal(reference_from_native(native, heads), weight)
+    assert torch.equal(from_native_rows(native, rows // heads), weight)
 
 
 def test_sharded_export_has_an_index(base, tmp_path, monkeypatch):
