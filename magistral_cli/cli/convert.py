@@ -150,7 +150,7 @@ def hf_to_dcp(
     console.print(
         f"[green]wrote[/] {result.checkpoint_dir}: {result.tensors} tensors, "
         f"{result.bytes / 2**20:.1f} MiB in {result.seconds:.1f} s; "
-        f"validated {result.validated_keys} model keys against config.json ({layout.value} layout)"
+        f"validated {result.validated_keys} model keys against the model's config ({layout.value} layout)"
     )
     if json_out:
         emit_json(result.to_dict())
