@@ -1,4 +1,5 @@
-"""Key maps (official HF <-> transformers <-> megatron, Mistral's native), HF <-> DCP conversion, validation, export.
+"""Key maps (official HF <-> transformers <-> megatron, Mistral's native), HF <-> DCP conversion,
+validation, export.
 
 Public entry points (import them from their modules; this package imports nothing heavy):
 

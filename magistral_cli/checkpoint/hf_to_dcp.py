@@ -178,10 +178,11 @@ def convert_hf_to_dcp(
     at the root. ``layout="megatron"``: ``{"model": {"model." + key: ...}, "checkpoint_version"}``
     (flattened keys ``model.model.<key>``) under ``dcp_dir/release`` plus Megatron's tracker file.
     Source keys may be official or transformers keys, or ``model_dir`` may be in Mistral's native
-    layout (``consolidated.safetensors`` + ``params.json``; config.json, when present, still decides). Values and dtypes are kept exactly. The keys,
-    shapes and dtypes are validated against config.json before and after writing: every tensor
-    floating point and of config.json's ``dtype``, unless ``allow_dtype_mismatch`` accepts other
-    floating dtypes (integer and bool tensors are refused regardless). ``dcp_dir`` must not
+    layout (``consolidated.safetensors`` + ``params.json``; config.json, when present, still
+    decides; the query and key rows are put back in transformers' order). Values and dtypes are
+    kept exactly. The keys, shapes and dtypes are validated against config.json before and after
+    writing: every tensor floating point and of config.json's ``dtype``, unless
+    ``allow_dtype_mismatch`` accepts other floating dtypes (integer and bool tensors are refused regardless). ``dcp_dir`` must not
     exist; on any failure nothing is left behind. ``fsync=True`` syncs every file to disk before
     the directory appears (durable across a power loss; slower where the disk is slower than memory).
     """

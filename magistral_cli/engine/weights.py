@@ -3,8 +3,9 @@
 Three sources, one rule: every rank reads only the slices of the tensors it holds.
 
 - ``hf``: safetensors shards (official or transformers key layout; ``model.safetensors.index.json``
-  or a single ``model.safetensors``), or Mistral's native ``consolidated*.safetensors`` (``checkpoint.native``). Keys go through ``checkpoint.keys.to_transformers_key``;
-  each DTensor's local shard is read with safetensors' lazy slicing.
+  or a single ``model.safetensors``), or Mistral's native ``consolidated*.safetensors``
+  (``checkpoint.native``). Keys go through ``checkpoint.keys.to_transformers_key`` (native:
+  ``native_to_transformers_key``); each DTensor's local shard is read with safetensors' lazy slicing.
 - ``dcp``: a torch.distributed.checkpoint directory: the fsdp2 layout (transformers keys at the
   root), the megatron layout (``"model." + key``, in ``<dir>/release/``) or one of our training
   checkpoints (``model.<key>``, plus optimizer, RNG, ...: only the model is read here).
