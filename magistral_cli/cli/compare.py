@@ -20,7 +20,7 @@ from magistral_cli.analysis.metrics import (
     compare_runs,
 )
 
-from .output import console, emit_json
+from .output import console, emit_json, json_option
 
 _SOURCE_HELP = "A run directory, a metrics.jsonl, or a MindSpeed-MM FSDP2 / Megatron training log."
 
@@ -88,7 +88,7 @@ def compare(
             help="Report step times without judging them (runs on different machines, say).",
         ),
     ] = False,
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+    json_out: Annotated[bool, json_option("the comparison report")] = False,
     plot: Annotated[
         Optional[Path],
         typer.Option(
@@ -116,7 +116,7 @@ def compare(
 
         plot_comparison(result, plot, labels=(f"baseline ({baseline.name})", f"candidate ({candidate.name})"))
         console.print(f"plot: {escape(str(plot))}")
-    if json_output:
+    if json_out:
         emit_json(result.report)
     if not result.passed:
         raise typer.Exit(1)

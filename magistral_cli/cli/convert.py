@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .output import console, emit_json
+from .output import JsonOut, console, emit_json
 
 convert_app = typer.Typer(
     help="Convert checkpoints between HF safetensors and torch DCP, validate them, export them back.",
@@ -50,7 +50,6 @@ ModelDir = Annotated[
         "--model-dir", help="HF model directory (config.json, weights, tokenizer).", show_default=False
     ),
 ]
-JsonOut = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object on stdout.")]
 Fsync = Annotated[
     bool,
     typer.Option(

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .output import console, emit_json
+from .output import JsonOut, console, emit_json
 
 
 class TokenizerSource(str, Enum):
@@ -126,7 +126,7 @@ def fetch_command(
             "(a fetch always does, before downloading it again).",
         ),
     ] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+    json_out: JsonOut = False,
 ) -> None:
     """Download the model and tokenizer at pinned revisions and verify every file's SHA-256.
 
@@ -175,7 +175,7 @@ def fetch_command(
             quarantine=quarantine or not verify_only,
             progress=_RichFetchProgress(progress),
         )
-    if as_json:
+    if json_out:
         emit_json(report.to_json())
     else:
         _render(report)

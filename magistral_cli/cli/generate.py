@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from magistral_cli.generate import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
-from .output import console, emit_json
+from .output import console, emit_json, json_option
 
 
 class Device(str, Enum):
@@ -139,10 +139,8 @@ def generate(
     ] = False,
     json_out: Annotated[
         bool,
-        typer.Option(
-            "--json",
-            help="Print one JSON object (text, token_ids, finish_reason, ...; with --show-tokens also "
-            "prompt_token_ids) on stdout.",
+        json_option(
+            "the result (text, token_ids, finish_reason, ...; with --show-tokens also prompt_token_ids)"
         ),
     ] = False,
 ) -> None:

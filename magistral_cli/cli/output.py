@@ -6,12 +6,26 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Annotated, Any
 
+import typer
 from rich.console import Console
 
 #: Human-readable output. stderr, so that ``--json`` output on stdout stays clean.
 console = Console(stderr=True, highlight=False)
+
+
+def json_option(what: str = "the result") -> Any:
+    """The ``--json`` flag of every subcommand that reports (DESIGN.md, "Output for machines").
+
+    ``what`` names what the object holds in the help line; the flag's spelling and its promise
+    (one object on stdout, the human output on stderr) are written here only.
+    """
+    return typer.Option("--json", help=f"Print {what} as one JSON object on stdout.")
+
+
+#: ``json_out: JsonOut = False``: the flag with the plain help line.
+JsonOut = Annotated[bool, json_option()]
 
 
 def emit_json(obj: Any) -> None:

@@ -7,7 +7,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from .output import console, emit_json, rows_progress
+from .output import console, emit_json, json_option, rows_progress
 
 
 def preprocess(
@@ -18,9 +18,7 @@ def preprocess(
             help="Overrides such as data.dataset_param.basic_parameters.cutoff_len=4096.", show_default=False
         ),
     ] = None,
-    json_out: Annotated[
-        bool, typer.Option("--json", help="Print the report as one JSON object on stdout.")
-    ] = False,
+    json_out: Annotated[bool, json_option("the report")] = False,
     strict: Annotated[
         bool,
         typer.Option("--strict", help="Fail (exit 1) if any row would be dropped, naming the first one."),

@@ -16,7 +16,7 @@ import typer
 
 from magistral_cli.errors import CheckFailed, UserError
 
-from .output import console, emit_json
+from .output import console, emit_json, json_option
 
 NAMES = ("vision-attention", "packed-attention", "split-copy", "train-smoke", "cp-equivalence", "all")
 DTYPES = ("fp32", "bf16")
@@ -72,7 +72,7 @@ def register(app: typer.Typer) -> None:
             bool, typer.Option("--chunk-loss", help="cp-equivalence: chunked cross-entropy loss.")
         ] = False,
         steps: Annotated[int, typer.Option("--steps", min=1, help="train-smoke steps.")] = 30,
-        json_output: Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")] = False,
+        json_out: Annotated[bool, json_option("each probe's result")] = False,
         require_device: Annotated[
             bool,
             typer.Option(
@@ -95,7 +95,7 @@ def register(app: typer.Typer) -> None:
             require_device=require_device,
         )
         payload: Any = results if name == "all" else results[0]
-        if json_output:
+        if json_out:
             emit_json(payload)
         else:
             render(results)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from .output import console, emit_json
+from .output import console, emit_json, json_option
 
 
 def quickstart(
@@ -21,9 +21,7 @@ def quickstart(
     probes: Annotated[
         bool, typer.Option("--probes/--no-probes", help="End with `magistral probe all`.")
     ] = True,
-    json_out: Annotated[
-        bool, typer.Option("--json", help="Print the summary as one JSON object on stdout.")
-    ] = False,
+    json_out: Annotated[bool, json_option("the summary")] = False,
 ) -> None:
     """Run fetch-free assets -> convert -> preprocess -> train -> resume -> export -> LoRA -> compare -> probe on the CPU."""
     from magistral_cli.quickstart import QuickstartOptions, StepRecord, run_quickstart

@@ -7,7 +7,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from .output import console, emit_json
+from .output import console, emit_json, json_option
 
 
 def train(
@@ -65,9 +65,7 @@ def train(
             "(recorded in run_identity.json).",
         ),
     ] = False,
-    json_out: Annotated[
-        bool, typer.Option("--json", help="Print the launch plan as one JSON object on stdout.")
-    ] = False,
+    json_out: Annotated[bool, json_option("the launch plan")] = False,
     slurm: Annotated[
         bool,
         typer.Option(
