@@ -19,7 +19,9 @@ the trainer's ``tflops_per_gpu`` / ``mfu`` and the tests read it from the same c
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from magistral_cli.errors import UserError
 
@@ -250,26 +252,27 @@ def tied_aliases(model) -> set[str]:
     return aliases
 
 
-def parameter_counts(model, frozen_prefixes: list[str] | None = None) -> dict[str, int]:
-    """Unique parameter counts of ``model``: total, trainable and frozen.
+def unique_parameters(model, frozen_prefixes: list[str] | None = None) -> Iterator[tuple[str, Any, bool]]:
+    """``(name, parameter, trains)`` for each parameter of ``model`` once (a tied head is one).
 
-    Tied parameters count once. With ``frozen_prefixes`` (module names, as ``apply_freeze``
-    returns them) the split follows those names instead of ``requires_grad``, so a meta model
-    that was never frozen can be counted as the recipe would freeze it.
+    A parameter trains when its ``requires_grad`` is on and, with ``frozen_prefixes`` (module
+    names, as ``apply_freeze`` returns them), it sits under none of them: a meta model that was
+    never frozen is split as the recipe would freeze it, and a LoRA model's base (``requires_grad``
+    off) counts as frozen either way. Every count of a model's parameters walks this.
     """
-    seen: set[int] = set()
-    total = trainable = 0
-    prefixes = tuple(f"{p}." for p in frozen_prefixes) if frozen_prefixes is not None else None
+    prefixes = tuple(f"{p}." for p in frozen_prefixes or ())
+    # named_parameters yields a tensor shared by two modules (a tied head) once.
     for name, param in model.named_parameters(remove_duplicate=True):
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
+        yield name, param, param.requires_grad and not name.startswith(prefixes)
+
+
+def parameter_counts(model, frozen_prefixes: list[str] | None = None) -> dict[str, int]:
+    """Unique parameter counts of ``model``: total, trainable and frozen (:func:`unique_parameters`)."""
+    total = trainable = 0
+    for _, param, trains in unique_parameters(model, frozen_prefixes):
         n = param.numel()
         total += n
-        if prefixes is None:
-            trainable += n if param.requires_grad else 0
-        elif not name.startswith(prefixes):
-            trainable += n
+        trainable += n if trains else 0
     return {"total": total, "trainable": trainable, "frozen": total - trainable}
 
 

@@ -86,6 +86,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from magistral_cli.model_config import parameter_counts, unique_parameters
+
 GIB = 1 << 30
 MIB = 1 << 20
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -544,29 +546,22 @@ def model_shape(
     A parameter is trainable unless it is under ``frozen`` or has ``requires_grad`` off (the base
     of a LoRA model); ``lora`` is ``engine.lora.apply_lora``'s result for such a model.
     """
-    frozen_prefixes = tuple(f"{n}." for n in frozen)
     owners = [(u, f"{u}.") for u in units]
     unit_acc: dict[str, list[int]] = {u: [0, 0, 0, 0] for u in [*units, "(root)"]}
-    seen: set[int] = set()
-    total = trainable = shard = trainable_shard = 0
+    counts = parameter_counts(model, frozen)
+    shard = trainable_shard = 0
     shards: list[int] = []
     vision_trainable = False
-    for name, param in model.named_parameters(remove_duplicate=True):
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
+    for name, param, is_trainable in unique_parameters(model, frozen):
         n = param.numel()
-        is_trainable = param.requires_grad and not name.startswith(frozen_prefixes)
         dim0 = param.shape[0] if param.dim() else 1
         local, padded = _shard_rows(n, dim0, world)
-        total += n
         shard += local
         owner = next((u for u, prefix in owners if name.startswith(prefix)), "(root)")
         acc = unit_acc[owner]
         acc[0] += n
         acc[2] += padded
         if is_trainable:
-            trainable += n
             trainable_shard += local
             shards.append(local)
             acc[1] += n
@@ -580,9 +575,9 @@ def model_shape(
         1 for n in layer_names if any(n == r or n.startswith(f"{r}.") for r in recomputed_set)
     )
     return ModelShape(
-        total=total,
-        trainable=trainable,
-        frozen=total - trainable,
+        total=counts["total"],
+        trainable=counts["trainable"],
+        frozen=counts["frozen"],
         shard_numel=shard,
         trainable_shard_numel=trainable_shard,
         trainable_shards=tuple(shards),

@@ -26,7 +26,7 @@ from torch import nn
 from transformers import Mistral3ForConditionalGeneration
 
 from magistral_cli.errors import UserError
-from magistral_cli.model_config import apply_tying_rule, read_model_config
+from magistral_cli.model_config import apply_tying_rule, parameter_counts, read_model_config
 from magistral_cli.ops.causal_attention import causal_attention_name
 from magistral_cli.ops.chunked_loss import cross_entropy_sum
 from magistral_cli.ops.packed_attention import is_packed_attention
@@ -300,14 +300,8 @@ def output_capture_survives_wrapping(model: nn.Module):
 def log_parameter_counts(model: nn.Module, lora) -> None:
     """Log the trainable and total parameters (a tied head counted once), as the launch shows them;
     ``lora`` is ``engine.lora.LoraApplied`` or None (full fine-tuning)."""
-    seen: set[int] = set()
-    total = trainable = 0
-    for param in model.parameters():
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
-        total += param.numel()
-        trainable += param.numel() if param.requires_grad else 0
+    counts = parameter_counts(model)
+    total, trainable = counts["total"], counts["trainable"]
     what = (
         f"LoRA r={lora.spec.r} on {len(lora.targets.modules)} Linear layers"
         if lora is not None

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from magistral_cli.errors import UserError
+from magistral_cli.model_config import parameter_counts
 
 from .prompt import EncodedPrompt, PromptEncoder, _Dropped
 from .source import ModelSource, load_model
@@ -153,7 +154,7 @@ class Generator:
             "dtype": str(self.dtype).removeprefix("torch."),
             "tokenizer": str(self.encoder.tokenizer_dir),
             "default_system": self.encoder.default_system != "",
-            "parameters": sum(p.numel() for p in self.model.parameters())
+            "parameters": parameter_counts(self.model)["total"]
             if isinstance(self.model, torch.nn.Module)
             else None,
             "load_seconds": round(self.load_seconds, 3),

@@ -34,6 +34,7 @@ from magistral_cli.config.loader import validate_recipe
 from magistral_cli.config.schema import SYNTHETIC
 from magistral_cli.engine.synthetic import YIELDED, MicroBatchCounter, SyntheticBatches
 from magistral_cli.engine.trainer import Trainer
+from magistral_cli.model_config import parameter_counts
 from magistral_cli.runtime import BACKENDS, init_distributed
 from magistral_cli.testing.tiny_model import build_tiny_model, save_official_checkpoint, tiny_mistral3_config
 
@@ -191,7 +192,7 @@ def main() -> None:
                 "steps": trainer.step,
                 "mode": args.mode,
                 "world_size": world,
-                "parameters": sum(p.numel() for p in trainer.model.parameters()),
+                "parameters": parameter_counts(trainer.model)["total"],
                 "skipped_steps": getattr(trainer, "skipped_steps", 0),
             }
         )
