@@ -61,10 +61,6 @@ class LoraCheckpoint:
     base_model_name_or_path: str | None = None
     settings_from: str = "checkpoint"
 
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.r
-
     def lora_pair(self, module: str):
         return (
             self.tensors[f"{module}.lora_A.default.weight"],
@@ -366,6 +362,8 @@ def export_lora_merged(
     _check_against_base(ck, base, base_dir)
     weights = read_hf_weights(base_dir)
     targets = set(ck.targets)
+    # alpha / r, as the recipe's model.lora defines it (config.schema.LoraConfig.scaling).
+    scaling = lora_spec(ck)[0].scaling
     trained_full = {k for k in ck.tensors if k.rsplit(".", 1)[0] in set(ck.modules_to_save)}
     result = LoraExportResult(
         out_dir=out_dir, checkpoint_dir=ck.path, mode="merged", files=list(weights.files), tensors=0
@@ -389,7 +387,7 @@ def export_lora_merged(
                         module = key.rsplit(".", 1)[0]
                         if key.endswith(".weight") and module in targets:
                             lora_a, lora_b = ck.lora_pair(module)
-                            tensor = merged_weight(f.get_tensor(spec.name), lora_a, lora_b, ck.scaling)
+                            tensor = merged_weight(f.get_tensor(spec.name), lora_a, lora_b, scaling)
                             result.bytes += writer.write(spec.name, tensor)
                             result.merged += 1
                             written.add(module)
