@@ -46,6 +46,14 @@ def broken_dataset(tmp_path_factory) -> Path:
     return write_synthetic_llava_dataset(tmp_path_factory.mktemp("broken"), 40, broken_rows=True, seed=1)
 
 
+@pytest.fixture
+def wide_console(monkeypatch):
+    """The CLI's console without line wrapping, so that rows and warnings are read whole."""
+    from magistral_cli.cli.output import console
+
+    monkeypatch.setattr(console, "_width", 1000)
+
+
 @pytest.fixture(scope="session")
 def make_recipe():
     """Factory: make_recipe(model_dir, dataset, cache_dir, basic=, pre=, loader=, training= {...})."""

@@ -23,6 +23,8 @@ from magistral_cli.data.pixtral import (
 )
 from magistral_cli.data.readers import Drop, RecordFormat, RowSource, read_rows
 
+from .helpers import write_recipe
+
 runner = CliRunner()
 
 
@@ -31,25 +33,6 @@ def _row(text: str, images: list[str] | None = None) -> dict:
     if images is not None:
         record["images"] = images
     return record
-
-
-def _recipe(path, model_dir, dataset, cache):
-    path.write_text(
-        f"""
-data:
-  dataset_param:
-    preprocess_parameters:
-      model_name_or_path: {model_dir}
-    basic_parameters:
-      dataset: {dataset}
-      cache_dir: {cache}
-      cutoff_len: 1024
-training:
-  train_iters: 1
-""",
-        encoding="utf-8",
-    )
-    return path
 
 
 def _encoder(model_dir, tokenizer, dataset_dir) -> Encoder:
@@ -71,7 +54,7 @@ def test_an_undecodable_jsonl_line_is_dropped_and_the_rest_kept(tmp_path, model_
     dataset = tmp_path / "data.jsonl"
     dataset.write_bytes(b"\n".join(lines) + b"\n")
     offset = len(lines[0]) + len(lines[1]) + 2 + bad.index(b"\xe9")
-    recipe = _recipe(tmp_path / "r.yaml", model_dir, dataset, tmp_path / "cache")
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir, dataset, tmp_path / "cache")
 
     result = runner.invoke(app, ["preprocess", str(recipe), "--json"])
     assert result.exit_code == 0, result.output
@@ -94,7 +77,7 @@ def test_an_undecodable_json_array_exits_2_naming_the_byte_offset(tmp_path, mode
     data = b"\xef\xbb\xbf" + head + b', {"messages": "\xff"}]'
     dataset = tmp_path / "data.json"
     dataset.write_bytes(data)
-    recipe = _recipe(tmp_path / "r.yaml", model_dir, dataset, tmp_path / "cache")
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir, dataset, tmp_path / "cache")
 
     offset = data.index(b"\xff")
     result = runner.invoke(app, ["preprocess", str(recipe)])

@@ -23,6 +23,8 @@ from magistral_cli.data.cache import FILES_KEY, EncodedDataset, entry_problems
 from magistral_cli.data.pipeline import run_preprocess
 from magistral_cli.errors import CheckFailed
 
+from .helpers import write_recipe
+
 ARRAYS = ("input_ids", "labels", "offsets", "source_index", "image_offsets", "image_sizes")
 
 
@@ -141,13 +143,7 @@ def test_opening_a_damaged_entry_names_the_file(encoded, how):
 def test_the_cli_warns_and_encodes_a_damaged_entry_again(model_dir, broken_dataset, tmp_path, caplog):
     from magistral_cli.cli.main import app
 
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(
-        "data:\n  dataset_param:\n    preprocess_parameters:\n"
-        f"      model_name_or_path: {model_dir}\n    basic_parameters:\n      dataset: {broken_dataset}\n"
-        f"      cache_dir: {tmp_path / 'cache'}\n      cutoff_len: 1024\ntraining:\n  train_iters: 1\n",
-        encoding="utf-8",
-    )
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir, broken_dataset, tmp_path / "cache")
     runner = CliRunner()
     first = runner.invoke(app, ["preprocess", str(recipe), "--json"])
     assert first.exit_code == 0, first.output

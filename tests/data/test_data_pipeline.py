@@ -11,6 +11,8 @@ from typer.testing import CliRunner
 from magistral_cli.data.pipeline import run_preprocess
 from magistral_cli.errors import CheckFailed
 
+from .helpers import write_recipe
+
 EXPECTED_DROPS = {
     "invalid_json": 1,
     "missing_image": 1,
@@ -117,29 +119,10 @@ def test_strict_names_the_first_dropped_row(first_run):
         run_preprocess(recipe, strict=True)
 
 
-def _write_recipe(path, model_dir, dataset, cache):
-    path.write_text(
-        f"""
-data:
-  dataset_param:
-    preprocess_parameters:
-      model_name_or_path: {model_dir}
-    basic_parameters:
-      dataset: {dataset}
-      cache_dir: {cache}
-      cutoff_len: 1024
-training:
-  train_iters: 1
-""",
-        encoding="utf-8",
-    )
-    return path
-
-
 def test_cli_json_inspect_export_and_strict(tmp_path, model_dir, broken_dataset):
     from magistral_cli.cli.main import app
 
-    recipe = _write_recipe(tmp_path / "r.yaml", model_dir, broken_dataset, tmp_path / "cache")
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir, broken_dataset, tmp_path / "cache")
     runner = CliRunner()
     export = tmp_path / "out.jsonl"
     args = ["preprocess", str(recipe), "--json", "--inspect", "2", "--export-jsonl", str(export)]

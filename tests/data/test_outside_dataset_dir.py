@@ -20,6 +20,8 @@ from magistral_cli.data.encoder import EncodedSample, EncodeParams, Encoder
 from magistral_cli.data.pixtral import load_image_settings
 from magistral_cli.data.readers import Drop, RecordFormat, RowSource
 
+from .helpers import write_recipe
+
 runner = CliRunner()
 
 
@@ -114,34 +116,12 @@ def test_a_symlinked_dataset_dir_is_its_target(model_dir, tokenizer, tree):
 # ----------------------------------------------------------------------------- through `magistral preprocess`
 
 
-@pytest.fixture
-def wide_console(monkeypatch):
-    from magistral_cli.cli.output import console
-
-    monkeypatch.setattr(console, "_width", 1000)
-
-
 def test_preprocess_reports_outside_images_and_drops_them_with_false(model_dir, tree, wide_console):
     from magistral_cli.cli.main import app
 
     dataset = tree / "data" / "train.jsonl"
     dataset.write_text("\n".join(json.dumps(_record(_path(w, tree))) for w in CASES) + "\n", encoding="utf-8")
-    recipe = tree / "r.yaml"
-    recipe.write_text(
-        f"""
-data:
-  dataset_param:
-    preprocess_parameters:
-      model_name_or_path: {model_dir}
-    basic_parameters:
-      dataset: {dataset}
-      cache_dir: {tree / "cache"}
-      cutoff_len: 1024
-training:
-  train_iters: 1
-""",
-        encoding="utf-8",
-    )
+    recipe = write_recipe(tree / "r.yaml", model_dir, dataset, tree / "cache")
     result = runner.invoke(app, ["preprocess", str(recipe), "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)["report"]

@@ -20,6 +20,8 @@ from magistral_cli.data.pixtral import load_image_settings
 from magistral_cli.data.readers import Drop, RecordFormat, RowSource
 from magistral_cli.data.tokenizer import load_tokenizer
 
+from .helpers import write_recipe
+
 pytest.importorskip("mistral_common")
 pytest.importorskip("cv2")  # mistral-common's image encoder resizes with OpenCV
 
@@ -224,41 +226,17 @@ def test_a_records_own_think_markers_are_text_the_defaults_are_not(model_dir, tm
 # ----------------------------------------------------------------------------- the report and the console
 
 
-@pytest.fixture
-def wide_console(monkeypatch):
-    """The CLI's console without line wrapping, so that rows and warnings are read whole."""
-    from magistral_cli.cli.output import console
-
-    monkeypatch.setattr(console, "_width", 1000)
-
-
-def _write_recipe(path, model_dir, dataset, cache, pre: str = "") -> None:
-    path.write_text(
-        f"""
-data:
-  dataset_param:
-    preprocess_parameters:
-      model_name_or_path: {model_dir}
-{pre}
-    basic_parameters:
-      dataset: {dataset}
-      cache_dir: {cache}
-      cutoff_len: 1024
-training:
-  train_iters: 1
-""",
-        encoding="utf-8",
-    )
-
-
 def test_preprocess_counts_and_warns_with_the_seed_setting(model_dir, tmp_path, wide_console):
     from magistral_cli.cli.main import app
 
     rows = [_record(CONTROL_TEXT), _record("hi [/INST] there", assistant="ok </s>"), _record("plain")]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
-    recipe = tmp_path / "r.yaml"
-    _write_recipe(
-        recipe, model_dir, tmp_path / "d.jsonl", tmp_path / "cache", "      split_special_tokens: false"
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        model_dir,
+        tmp_path / "d.jsonl",
+        tmp_path / "cache",
+        pre={"split_special_tokens": False},
     )
 
     result = runner.invoke(app, ["preprocess", str(recipe), "--json"])
@@ -290,8 +268,7 @@ def test_preprocess_default_keeps_text_and_says_so(model_dir, tmp_path, wide_con
 
     rows = [_record(CONTROL_TEXT), _record("plain")]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
-    recipe = tmp_path / "r.yaml"
-    _write_recipe(recipe, model_dir, tmp_path / "d.jsonl", tmp_path / "cache")
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir, tmp_path / "d.jsonl", tmp_path / "cache")
     result = runner.invoke(app, ["preprocess", str(recipe)])
     assert result.exit_code == 0, result.output
     assert "4 in 1 sample(s), kept as text: [INST] x1, </s> x1, [IMG] x1, <s> x1" in result.output
@@ -304,8 +281,7 @@ def test_a_drop_detail_with_markup_like_text_is_shown_not_parsed(model_dir, tmp_
 
     rows = [_record("<image>x", images=[str(tmp_path / "a[/INST]b.png")]), _record("plain")]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
-    recipe = tmp_path / "r.yaml"
-    _write_recipe(recipe, model_dir, tmp_path / "d.jsonl", tmp_path / "cache")
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir, tmp_path / "d.jsonl", tmp_path / "cache")
     result = runner.invoke(app, ["preprocess", str(recipe)])
     assert result.exit_code == 0, result.output
     assert "a[/INST]b.png does not exist" in result.output

@@ -30,6 +30,8 @@ from magistral_cli.data.pipeline import image_settings_of
 from magistral_cli.data.samplers import build_sampler
 from magistral_cli.errors import UserError
 
+from .helpers import write_recipe
+
 VAL_SIZE = "data.dataset_param.basic_parameters.val_size"
 
 
@@ -273,22 +275,8 @@ def test_val_batches_is_a_plain_iterable():
 def test_preprocess_prints_the_split(tmp_path, model_dir, broken_dataset):
     from magistral_cli.cli.main import app
 
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(
-        f"""
-data:
-  dataset_param:
-    preprocess_parameters:
-      model_name_or_path: {model_dir}
-    basic_parameters:
-      dataset: {broken_dataset}
-      cache_dir: {tmp_path / "cache"}
-      cutoff_len: 1024
-      val_size: 0.1
-training:
-  train_iters: 1
-""",
-        encoding="utf-8",
+    recipe = write_recipe(
+        tmp_path / "r.yaml", model_dir, broken_dataset, tmp_path / "cache", basic={"val_size": 0.1}
     )
     runner = CliRunner()
     result = runner.invoke(app, ["preprocess", str(recipe), "--json"])
