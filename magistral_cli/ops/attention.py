@@ -25,7 +25,13 @@ import logging
 
 import torch
 
-from .attention_kernels import NPU_ATTENTION, flash_attention_available, npu_causal_mask
+from .attention_kernels import (
+    NPU_ATTENTION,
+    AttentionCall,
+    attention_function,
+    flash_attention_available,
+    npu_causal_mask,
+)
 
 log = logging.getLogger(__name__)
 
@@ -128,16 +134,8 @@ def _resolve_kernel(requested: str, device_type: str) -> str:
     return "sdpa"
 
 
-def npu_fusion_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
+@attention_function
+def npu_fusion_attention_forward(call: AttentionCall, **kwargs) -> torch.Tensor:
     """transformers attention function over ``torch_npu.npu_fusion_attention`` (causal, BNSD layout).
 
     ``query`` is ``[B, heads, S, D]`` and ``key``/``value`` ``[B, kv_heads, S, D]`` (grouped-query
@@ -145,21 +143,20 @@ def npu_fusion_attention_forward(
     """
     import torch_npu
 
-    if attention_mask is not None:
+    if call.attention_mask is not None:
         raise ValueError("npu_fusion_attention takes no padding mask; batches must be right-padded")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     output = torch_npu.npu_fusion_attention(
-        query,
-        key,
-        value,
-        query.shape[1],
+        call.query,
+        call.key,
+        call.value,
+        call.query.shape[1],
         input_layout="BNSD",
-        atten_mask=npu_causal_mask(query.device),
-        scale=scale,
-        keep_prob=1.0 - dropout,
+        atten_mask=npu_causal_mask(call.query.device),
+        scale=call.scale,
+        keep_prob=1.0 - call.dropout,
         sparse_mode=3,
     )[0]
-    return output.transpose(1, 2).contiguous(), None
+    return output.transpose(1, 2).contiguous()
 
 
 def register_npu_attention() -> None:

@@ -7,6 +7,11 @@ then flash-attn 2, then torch's own FlashAttention kernel ``torch.nn.attention.v
 picked. On the NPU every attention calls ``torch_npu.npu_fusion_attention`` (``NPU_ATTENTION``) with
 its causal mask (``npu_causal_mask``).
 
+The attention functions registered with transformers (the NPU, packed, vision and context-parallel
+ones) take transformers' attention-function signature through ``attention_function``: each is
+written as ``forward(call: AttentionCall, **kwargs) -> out``, and the signature transformers calls,
+its default softmax scale (``softmax_scale``) and the ``(out, None)`` it gets back are written here.
+
 The attention modules build on this one and it imports none of them (``ops.attention`` chooses a
 backend, ``ops.packed_attention`` registers the packed one, each calling the kernels here).
 """
@@ -20,7 +25,7 @@ import inspect
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, update_wrapper
 
 import torch
 
@@ -243,3 +248,63 @@ def npu_causal_mask(device: torch.device) -> torch.Tensor:
         mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=device), diagonal=1)
         _npu_mask_cache[device] = mask
     return mask
+
+
+# --------------------------------------------------------------------------- transformers' signature
+
+
+def softmax_scale(scaling: float | None, head_dim: int) -> float:
+    """The softmax scale transformers' ``scaling`` stands for: itself, or ``1 / sqrt(head_dim)`` when
+    None (what SDPA assumes), for the kernels that need a number."""
+    return scaling if scaling is not None else head_dim**-0.5
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """What transformers passes an attention function: ``query`` ``[B, heads, L, D]``, ``key`` /
+    ``value`` ``[B, kv_heads, L, D]``, the ``attention_mask`` it built (None for every attention
+    registered here: they refuse one), the attention ``dropout`` and the softmax ``scaling``
+    (None: the kernel's default); ``module`` is the calling attention layer (None in tests)."""
+
+    module: torch.nn.Module | None
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attention_mask: torch.Tensor | None
+    dropout: float
+    scaling: float | None
+
+    @property
+    def scale(self) -> float:
+        """``scaling`` as a number (:func:`softmax_scale`)."""
+        return softmax_scale(self.scaling, self.query.shape[-1])
+
+
+def attention_function(
+    forward: Callable[..., torch.Tensor],
+) -> Callable[..., tuple[torch.Tensor, None]]:
+    """``forward(call: AttentionCall, **kwargs) -> [B, L, heads, D]`` as a transformers attention
+    function (``AttentionInterface.register``): called as ``(module, query, key, value,
+    attention_mask, dropout=, scaling=, **kwargs)``, it returns ``(out, None)`` (no attention
+    weights). The remaining keyword arguments (``cu_seq_lens_q``, ``sliding_window``, a partial's
+    ``kernel``...) reach ``forward`` unchanged."""
+
+    def attention(
+        module: torch.nn.Module | None,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        call = AttentionCall(module, query, key, value, attention_mask, dropout, scaling)
+        return forward(call, **kwargs), None
+
+    update_wrapper(
+        attention, forward, assigned=("__module__", "__name__", "__qualname__", "__doc__"), updated=()
+    )
+    # forward's name and docstring, not its signature: inspect.signature follows __wrapped__.
+    del attention.__wrapped__
+    return attention

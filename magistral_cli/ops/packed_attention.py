@@ -54,8 +54,11 @@ from .attention_kernels import (
     TORCH_VARLEN,
     VARLEN_KERNEL_NAMES,
     VARLEN_KERNELS,
+    AttentionCall,
+    attention_function,
     device_type_and_index,
     npu_causal_mask,
+    softmax_scale,
     varlen_attention,
     varlen_kernel,
 )
@@ -127,8 +130,7 @@ def _masked(query, key, value, ends, dropout, scaling, eager: bool):
         repeat = heads // key.shape[1]
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     if eager:
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        scores = (query @ key.transpose(-1, -2)) * scale
+        scores = (query @ key.transpose(-1, -2)) * softmax_scale(scaling, query.shape[-1])
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         weights = torch.softmax(scores.float(), dim=-1).to(query.dtype)
         weights = F.dropout(weights, p=dropout, training=dropout > 0)
@@ -167,7 +169,7 @@ def _npu(query, key, value, ends, dropout, scaling):
         heads,
         input_layout="TND",
         atten_mask=npu_causal_mask(query.device),
-        scale=scaling if scaling is not None else dim**-0.5,
+        scale=softmax_scale(scaling, dim),
         keep_prob=1.0 - dropout,
         sparse_mode=3,
         actual_seq_qlen=list(ends),
@@ -176,28 +178,24 @@ def _npu(query, key, value, ends, dropout, scaling):
     return out.view(batch, length, heads, dim)
 
 
+@attention_function
 def packed_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
+    call: AttentionCall,
+    *,
     cu_seq_lens_q: torch.Tensor | None = None,
     cu_seq_lens_k: torch.Tensor | None = None,
     max_length_q: int | None = None,
     max_length_k: int | None = None,
     packed_seq_ends: tuple[int, ...] | None = None,
-    *,
     kernel: str,
     **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature: ``query`` ``[B, heads, L, D]``, ``key``/``value``
-    ``[B, kv_heads, L, D]``; returns ``[B, L, heads, D]``. Segments from ``packed_seq_ends`` (host)
-    and ``cu_seq_lens_q`` (device), or one per row without them."""
-    if attention_mask is not None:
+) -> torch.Tensor:
+    """The packed attention over ``kernel`` (a transformers attention function): ``query``
+    ``[B, heads, L, D]``, ``key``/``value`` ``[B, kv_heads, L, D]``; returns ``[B, L, heads, D]``.
+    Segments from ``packed_seq_ends`` (host) and ``cu_seq_lens_q`` (device), or one per row without them."""
+    if call.attention_mask is not None:
         raise ValueError("packed attention takes its segments from cu_seqlens, not from an attention mask")
+    query, key, value, dropout, scaling = call.query, call.key, call.value, call.dropout, call.scaling
     batch, _, length, _ = query.shape
     if packed_seq_ends is None:
         ends = tuple(length * (row + 1) for row in range(batch))
@@ -214,17 +212,17 @@ def packed_attention_forward(
         kernel, query.device, query.dtype, head_dim=query.shape[-1], dropout=dropout, whole_rows=whole_rows
     )
     if path == "npu":
-        return _npu(query, key, value, ends, dropout, scaling), None
+        return _npu(query, key, value, ends, dropout, scaling)
     if path == "sdpa_causal":
         out = F.scaled_dot_product_attention(
             query, key, value, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=True
         )
-        return out.transpose(1, 2), None
+        return out.transpose(1, 2)
     if path in VARLEN_KERNELS:
         if cu is None:
             cu = torch.tensor([0, *ends], dtype=torch.int32, device=query.device)
-        return _varlen(query, key, value, cu, longest, dropout, scaling, path), None
-    return _masked(query, key, value, ends, dropout, scaling, eager=path == "eager"), None
+        return _varlen(query, key, value, cu, longest, dropout, scaling, path)
+    return _masked(query, key, value, ends, dropout, scaling, eager=path == "eager")
 
 
 #: where each packed kernel name enters ``VARLEN_KERNELS`` on CUDA (``eager`` never does)

@@ -38,6 +38,8 @@ from magistral_cli.errors import UserError
 from magistral_cli.ops.attention_kernels import (
     TORCH_VARLEN,
     VARLEN_KERNEL_NAMES,
+    AttentionCall,
+    attention_function,
     device_type_and_index,
     varlen_attention,
     varlen_kernel,
@@ -163,19 +165,12 @@ def _npu_fusion(query, key, value, ends, dropout, scaling):
     return out.unsqueeze(0)
 
 
+@attention_function
 def vision_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    cu_seq_lens_q: Any = None,
-    cu_seq_lens_k: Any = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Attention within each image; the AttentionInterface signature, (batch, seq, heads, dim) out."""
+    call: AttentionCall, *, cu_seq_lens_q: Any = None, cu_seq_lens_k: Any = None, **kwargs: Any
+) -> torch.Tensor:
+    """Attention within each image (a transformers attention function), (batch, seq, heads, dim) out."""
+    query, key, value, dropout, scaling = call.query, call.key, call.value, call.dropout, call.scaling
     if query.shape[0] != 1:
         raise ValueError(
             f"vision attention expects Pixtral's single packed sequence, got batch {query.shape[0]}"
@@ -189,7 +184,7 @@ def vision_attention_forward(
         ends = _ends(cu_seq_lens_q, total)
         if cu_seq_lens_k is not None and _ends(cu_seq_lens_k, total) != ends:
             raise ValueError("vision attention: query and key image boundaries differ")
-    if cu_seq_lens_q is None and host_ends is None and attention_mask is not None:
+    if cu_seq_lens_q is None and host_ends is None and call.attention_mask is not None:
         raise ValueError(
             "vision attention got a dense mask but no image lengths: call apply_vision_attention(model, device)"
         )
@@ -200,7 +195,7 @@ def vision_attention_forward(
         out = _sdpa_per_image(query, key, value, ends, dropout, scaling)
     else:
         out = _varlen(query, key, value, ends, cu_seq_lens_q, dropout, scaling, kernel)
-    return out, None
+    return out
 
 
 def _prepare_vision_attention(module, args, kwargs):

@@ -392,9 +392,10 @@ def _check_replicated(tower, groups) -> dict[str, Any]:
 def _cp_attention_in_the_tower(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """Wrong on purpose (``inject``): the tower's attention goes through the CP attention,
     which communicates over the CP group."""
+    from magistral_cli.ops.attention_kernels import softmax_scale
     from magistral_cli.ops.context_parallel import active_cp_groups, cp_attention
 
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scale = softmax_scale(scaling, query.shape[-1])
     return cp_attention(query, key, value, active_cp_groups(), scale).transpose(1, 2), None
 
 

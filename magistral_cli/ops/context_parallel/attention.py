@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from magistral_cli.ops.attention_kernels import AttentionCall, attention_function
 from magistral_cli.ops.context_parallel.comm import head_to_seq, seq_to_head
 from magistral_cli.ops.context_parallel.groups import ContextParallelError, active_cp_groups
 from magistral_cli.ops.context_parallel.ring import BlockKernel, ring_attention
@@ -91,24 +92,17 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups, scal
     return out
 
 
+@attention_function
 def context_parallel_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    **kwargs,
-):
+    call: AttentionCall, *, sliding_window: int | None = None, **kwargs
+) -> torch.Tensor:
     """The transformers attention function for the context-parallel language model."""
-    if not getattr(module, "is_causal", True):
+    if not getattr(call.module, "is_causal", True):
         raise ContextParallelError(
-            f"{type(module).__name__} is not causal; only the language model may use the CP attention"
+            f"{type(call.module).__name__} is not causal; only the language model may use the CP attention"
         )
-    groups = getattr(module, CP_GROUPS_ATTR, None) or active_cp_groups()
-    if attention_mask is not None:
+    groups = getattr(call.module, CP_GROUPS_ATTR, None) or active_cp_groups()
+    if call.attention_mask is not None:
         raise ContextParallelError(
             "context parallelism got an attention mask; CP attention is causal over the whole sequence "
             "and supports no custom masks (per-sample masks, left padding)"
@@ -117,11 +111,10 @@ def context_parallel_attention_forward(
         raise ContextParallelError(
             f"context parallelism does not support sliding-window attention (sliding_window={sliding_window})"
         )
-    if dropout:
-        raise ContextParallelError(f"context parallelism does not support attention dropout ({dropout})")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = cp_attention(query, key, value, groups, scale)
-    return out.transpose(1, 2).contiguous(), None
+    if call.dropout:
+        raise ContextParallelError(f"context parallelism does not support attention dropout ({call.dropout})")
+    out = cp_attention(call.query, call.key, call.value, groups, call.scale)
+    return out.transpose(1, 2).contiguous()
 
 
 def register_cp_attention() -> str:
