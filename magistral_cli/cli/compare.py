@@ -148,32 +148,18 @@ def _render(result: Comparison) -> None:
     table.add_column("candidate", justify="right")
     table.add_column("check", justify="right")
 
-    def ok(flag) -> str:
-        return "" if flag is None else ("[green]pass[/]" if flag else "[red]FAIL[/]")
-
-    diff = loss["normalized_mean_abs_diff"]
-    within = None if diff is None else diff <= loss["threshold"]
-    table.add_row(
-        "loss: norm. mean |diff|", "", _fmt(diff, ".4%"), f"<= {loss['threshold']:.2%} {ok(within)}"
-    )
+    _loss_diff_row(table, "loss", loss)
     table.add_row("loss: rel. error mean", "", _fmt(loss["relative_error_mean"], ".4%"), "")
     worst_step = loss["relative_error_max_step"]
     where = f"at step {worst_step}" if worst_step is not None else ""
     table.add_row("loss: rel. error max", "", _fmt(loss["relative_error_max"], ".4%"), where)
-    bad = loss["nonfinite_steps"]
-    if bad["baseline"] or bad["candidate"]:
-        table.add_row(
-            "loss: NaN/inf steps",
-            str(len(bad["baseline"])),
-            str(len(bad["candidate"])),
-            ok(not bad["candidate"]),
-        )
-    _validation_rows(table, r.get("validation"), ok)
+    _nonfinite_row(table, "loss", loss)
+    _validation_rows(table, r.get("validation"))
     b, c = times["baseline"] or {}, times["candidate"] or {}
     for stat in ("mean", "median", "p95"):
         table.add_row(f"step time {stat} (ms)", _fmt(b.get(stat), ".1f"), _fmt(c.get(stat), ".1f"), "")
     limit = f"<= {times['max_ratio']:g} " if times["max_ratio"] is not None else ""
-    table.add_row("step time ratio", "", _fmt(times["mean_ratio"], ".3f"), f"{limit}{ok(times['pass'])}")
+    table.add_row("step time ratio", "", _fmt(times["mean_ratio"], ".3f"), f"{limit}{_ok(times['pass'])}")
     _throughput_rows(table, r.get("throughput"))
     for key, label in (("peak_allocated", "peak allocated (MiB)"), ("peak_reserved", "peak reserved (MiB)")):
         table.add_row(label, _fmt(memory["baseline"][key], ".0f"), _fmt(memory["candidate"][key], ".0f"), "")
@@ -208,16 +194,37 @@ def _throughput_rows(table: Table, throughput: dict | None) -> None:
         table.add_row("MFU (mean)", _fmt(b.get("mfu"), ".2%"), _fmt(c.get("mfu"), ".2%"), "")
 
 
-def _validation_rows(table: Table, val: dict | None, ok) -> None:
+def _ok(flag) -> str:
+    return "" if flag is None else ("[green]pass[/]" if flag else "[red]FAIL[/]")
+
+
+def _loss_diff_row(table: Table, label: str, loss: dict) -> None:
+    """The loss criterion's row (training or validation losses: ``analysis.metrics``' loss report)."""
+    diff = loss["normalized_mean_abs_diff"]
+    within = None if diff is None else diff <= loss["threshold"]
+    table.add_row(
+        f"{label}: norm. mean |diff|", "", _fmt(diff, ".4%"), f"<= {loss['threshold']:.2%} {_ok(within)}"
+    )
+
+
+def _nonfinite_row(table: Table, label: str, loss: dict) -> None:
+    """The steps whose loss was NaN or inf on either side, when there are any (the candidate's fail)."""
+    bad = loss["nonfinite_steps"]
+    if bad["baseline"] or bad["candidate"]:
+        table.add_row(
+            f"{label}: NaN/inf steps",
+            str(len(bad["baseline"])),
+            str(len(bad["candidate"])),
+            _ok(not bad["candidate"]),
+        )
+
+
+def _validation_rows(table: Table, val: dict | None) -> None:
     """The validation rows: only when both runs logged validation losses at common steps."""
     if not val or not val["steps_compared"]:
         return
     loss = val["loss"]
-    diff = loss["normalized_mean_abs_diff"]
-    within = None if diff is None else diff <= loss["threshold"]
-    table.add_row(
-        "val loss: norm. mean |diff|", "", _fmt(diff, ".4%"), f"<= {loss['threshold']:.2%} {ok(within)}"
-    )
+    _loss_diff_row(table, "val loss", loss)
     table.add_row("val loss: common steps", "", str(val["steps_compared"]), "")
     table.add_row(
         f"val loss at step {val['steps'][-1]}",
@@ -232,11 +239,4 @@ def _validation_rows(table: Table, val: dict | None, ok) -> None:
         "/".join(map(str, samples["candidate"])) or "-",
         "",
     )
-    bad = loss["nonfinite_steps"]
-    if bad["baseline"] or bad["candidate"]:
-        table.add_row(
-            "val loss: NaN/inf steps",
-            str(len(bad["baseline"])),
-            str(len(bad["candidate"])),
-            ok(not bad["candidate"]),
-        )
+    _nonfinite_row(table, "val loss", loss)

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .output import JsonOut, console, emit_json
+from .output import JsonOut, bytes_progress, console, emit_json
 
 convert_app = typer.Typer(
     help="Convert checkpoints between HF safetensors and torch DCP, validate them, export them back.",
@@ -83,24 +83,7 @@ AllowUnverified = Annotated[
 @contextmanager
 def _progress(description: str) -> Iterator[Callable[[int, int], None]]:
     """A rich progress bar (bytes) on stderr, driven by the core's progress(done, total) callback."""
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
-    ) as bar:
+    with bytes_progress() as bar:
         task = bar.add_task(description, total=None)
 
         def update(done: int, total: int) -> None:

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .output import JsonOut, console, emit_json
+from .output import JsonOut, bytes_progress, console, emit_json
 
 
 class TokenizerSource(str, Enum):
@@ -137,15 +137,6 @@ def fetch_command(
     to DIR/.magistral-quarantine/ (with --verify-only only if --quarantine is given) and the command
     exits 1.
     """
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
     from magistral_cli.assets.fetch import fetch_assets
     from magistral_cli.assets.lock import load_lock
 
@@ -157,15 +148,7 @@ def fetch_command(
             "before downloading it again); add --verify-only or drop --quarantine"
         )
     lock_obj = load_lock(lock)
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
-    ) as progress:
+    with bytes_progress(binary_units=True) as progress:
         report = fetch_assets(
             model_dir,
             lock_obj,

@@ -6,10 +6,13 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 #: Human-readable output. stderr, so that ``--json`` output on stdout stays clean.
 console = Console(stderr=True, highlight=False)
@@ -32,6 +35,29 @@ def emit_json(obj: Any) -> None:
     """Print one JSON object on stdout (the machine contract in DESIGN.md)."""
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
     sys.stdout.flush()
+
+
+def bytes_progress(*, binary_units: bool = False) -> Progress:
+    """A rich progress bar of bytes (done / total, speed, time left) on stderr that disappears when
+    it stops; ``binary_units``: GiB rather than GB."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=binary_units),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    )
 
 
 @contextmanager

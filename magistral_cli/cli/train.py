@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, List, Optional
+from typing import TYPE_CHECKING, Annotated, List, Optional
 
 import typer
 
 from .output import console, emit_json, json_option
+
+if TYPE_CHECKING:
+    from magistral_cli.launch.options import LaunchOptions
 
 
 def train(
@@ -108,28 +111,6 @@ def train(
         "--account": account,
         "--job-name": job_name,
     }
-    if slurm:
-        _train_slurm(
-            recipe,
-            list(overrides or []),
-            nproc_per_node=nproc_per_node,
-            nnodes=nnodes,
-            node_rank=node_rank,
-            master_addr=master_addr,
-            master_port=master_port,
-            dry_run=dry_run,
-            json_out=json_out,
-            slurm_only=slurm_only,
-            share_checkpoints=share_checkpoints,
-            restart_data=restart_data,
-        )
-        return
-    given = [flag for flag, value in slurm_only.items() if value is not None]
-    if given:
-        from magistral_cli.errors import UserError
-
-        raise UserError(f"{', '.join(given)} only apply with --slurm; add --slurm or drop them")
-
     options = LaunchOptions(
         nproc_per_node=nproc_per_node,
         nnodes=nnodes,
@@ -140,6 +121,15 @@ def train(
         share_checkpoints=share_checkpoints,
         restart_data=restart_data,
     )
+    if slurm:
+        _train_slurm(recipe, list(overrides or []), options, json_out=json_out, slurm_only=slurm_only)
+        return
+    given = [flag for flag, value in slurm_only.items() if value is not None]
+    if given:
+        from magistral_cli.errors import UserError
+
+        raise UserError(f"{', '.join(given)} only apply with --slurm; add --slurm or drop them")
+
     from .output import rows_progress
     from .train_render import render_launch_plan
 
@@ -158,22 +148,17 @@ def train(
 def _train_slurm(
     recipe: Path,
     overrides: List[str],
+    launch: LaunchOptions,
     *,
-    nproc_per_node: Optional[int],
-    nnodes: int,
-    node_rank: int,
-    master_addr: Optional[str],
-    master_port: Optional[int],
-    dry_run: bool,
     json_out: bool,
     slurm_only: dict,
-    share_checkpoints: bool = False,
-    restart_data: bool = False,
 ) -> None:
+    """``--slurm``: the job script from the same launch options (``launch``) and the SLURM-only ones."""
     from magistral_cli.errors import UserError
     from magistral_cli.launch.slurm import SlurmOptions, plan_slurm, submit
 
-    if nnodes != 1 or node_rank != 0 or master_addr is not None:
+    nproc_per_node = launch.nproc_per_node
+    if launch.nnodes != 1 or launch.node_rank != 0 or launch.master_addr is not None:
         raise UserError(
             "--slurm takes --nodes N (SLURM places the nodes and torchrun's rendezvous finds them); "
             "drop --nnodes, --node-rank and --master-addr"
@@ -190,19 +175,19 @@ def _train_slurm(
         time=slurm_only["--time"],
         account=slurm_only["--account"],
         job_name=slurm_only["--job-name"],
-        master_port=master_port,
+        master_port=launch.master_port,
     )
     plan = plan_slurm(
         recipe,
         overrides,
         options,
-        dry_run=dry_run,
-        share_checkpoints=share_checkpoints,
-        restart_data=restart_data,
+        dry_run=launch.dry_run,
+        share_checkpoints=launch.share_checkpoints,
+        restart_data=launch.restart_data,
     )
     plan.render(console)
     job_id = None
-    if dry_run:
+    if launch.dry_run:
         console.print(
             f"[green]dry run:[/] not submitted; submit it with: sbatch {plan.script}", soft_wrap=True
         )
