@@ -217,12 +217,7 @@ class SafetensorsStreamWriter:
         pos, end = 0, len(view)
         while pos < end:  # pwrite may write less than asked
             pos += os.pwrite(self._fd, view[pos : pos + _WRITE_CHUNK], start + pos)
-        self._remaining[name] -= end
-        if self._remaining[name] < 0:
-            raise ValueError(f"{self.path.name}: {name!r} got more bytes than its shape holds")
-        if self._remaining[name] == 0:
-            self._pending.discard(name)
-        return end
+        return self._count(name, end)
 
     def copy_range(self, name: str, src_fd: int, src_offset: int, nbytes: int, row_offset: int = 0) -> int:
         """Store ``nbytes`` raw bytes of the open file ``src_fd`` from ``src_offset`` as ``name``,
@@ -249,6 +244,10 @@ class SafetensorsStreamWriter:
             )
         start = self._data_start + self._offsets[name] + row_offset * row_bytes
         _copy_file_range(src_fd, src_offset, self._fd, start, nbytes)
+        return self._count(name, nbytes)
+
+    def _count(self, name: str, nbytes: int) -> int:
+        """Count ``nbytes`` written to ``name`` (done when its shape is full); returns ``nbytes``."""
         self._remaining[name] -= nbytes
         if self._remaining[name] < 0:
             raise ValueError(f"{self.path.name}: {name!r} got more bytes than its shape holds")
