@@ -17,6 +17,9 @@ Steps, each with the real component (no network, no accelerator):
              HF weights, both loaded back (peft, transformers) with the same logits
 9. probe / compare  ``magistral probe all`` and ``magistral compare`` of the plain and optimized runs
 
+Each step is a function (``step_assets`` ... ``step_probe``) of one ``QuickstartContext`` that
+returns its ``StepRecord``; ``run_quickstart`` runs ``STEPS`` in order.
+
 Shared inputs (model, data, cache) live in ``WORKDIR``; each quickstart's outputs go to
 ``WORKDIR/<timestamp>/`` so a second quickstart never overwrites the first.
 """
@@ -120,6 +123,263 @@ def write_assets(workdir: Path, samples: int) -> dict[str, Path]:
     return {"model": model_dir, "data_dir": data_dir, "dataset": dataset, "cache": workdir / "cache"}
 
 
+@dataclass
+class QuickstartContext:
+    """What the steps share: the inputs, and each step's outputs as the later steps need them."""
+
+    options: QuickstartOptions
+    console: Any
+    workdir: Path
+    #: This quickstart's own outputs, ``WORKDIR/<timestamp>/``.
+    out: Path
+    #: ``write_assets``'s paths (assets).
+    assets: dict[str, Path] = field(default_factory=dict)
+    #: The overrides every launch shares (preprocess).
+    base: list[str] = field(default_factory=list)
+    #: The run directories by name, in the summary's order (train, resume, optimized, lora).
+    runs: dict[str, Path] = field(default_factory=dict)
+    #: The first run's training losses by step (train).
+    losses: dict[int, float] = field(default_factory=dict)
+    #: The HF export of the first run's final checkpoint (export).
+    export: Path | None = None
+    #: compare_runs of the plain and optimized runs (compare).
+    comparison: Any = None
+    #: ``magistral probe all``'s results as JSON (probe).
+    probe_results: list[dict] = field(default_factory=list)
+
+    @property
+    def half(self) -> int:
+        """The step of the half-way checkpoint that the resumed runs start from."""
+        return self.options.steps // 2
+
+
+def _record(name: str, t0: float, detail: str, **data: Any) -> StepRecord:
+    return StepRecord(name, round(time.monotonic() - t0, 1), detail, data)
+
+
+def _check_every_step(losses: dict[int, float], steps: int, run: str) -> None:
+    """A run logged steps 1..steps, each with a finite loss."""
+    if sorted(losses) != list(range(1, steps + 1)) or not all(map(math.isfinite, losses.values())):
+        raise CheckFailed(f"{run} logged steps {sorted(losses)} with losses {losses}")
+
+
+def step_assets(ctx: QuickstartContext) -> StepRecord:
+    """1. The tiny model, its tokenizer and the synthetic dataset (reused from an earlier quickstart)."""
+    t0 = time.monotonic()
+    ctx.assets = write_assets(ctx.workdir, ctx.options.samples)
+    return _record(
+        "assets",
+        t0,
+        f"tiny Mistral3 in {ctx.assets['model']}, {ctx.options.samples} samples in {ctx.assets['data_dir']}",
+    )
+
+
+def step_convert(ctx: QuickstartContext) -> StepRecord:
+    """2. HF -> DCP (fsdp2 layout), validated against config.json."""
+    from magistral_cli.checkpoint.hf_to_dcp import convert_hf_to_dcp
+    from magistral_cli.checkpoint.validate import require_valid, validate_dcp
+
+    t0 = time.monotonic()
+    dcp_dir = ctx.out / "dcp"
+    convert_hf_to_dcp(ctx.assets["model"], dcp_dir, layout="fsdp2")
+    validation = require_valid(validate_dcp(ctx.assets["model"], dcp_dir, "fsdp2"))
+    return _record("convert", t0, f"HF -> DCP {dcp_dir}, validated: {validation.message().splitlines()[0]}")
+
+
+def step_preprocess(ctx: QuickstartContext) -> StepRecord:
+    """3. The dataset into the fingerprinted cache; sets the overrides every launch shares."""
+    from magistral_cli.config import load_recipe
+    from magistral_cli.data.pipeline import run_preprocess
+
+    assets = ctx.assets
+    ctx.base = [
+        f"data.dataset_param.preprocess_parameters.model_name_or_path={assets['model']}",
+        f"model.model_name_or_path={assets['model']}",
+        f"data.dataset_param.basic_parameters.dataset_dir={assets['data_dir']}",
+        f"data.dataset_param.basic_parameters.dataset={assets['dataset']}",
+        f"data.dataset_param.basic_parameters.cache_dir={assets['cache']}",
+        f"training.train_iters={ctx.options.steps}",
+        f"training.save_interval={ctx.half}",
+        # A validation split of 8 samples, evaluated half-way and at the end.
+        f"data.dataset_param.basic_parameters.val_size={QUICKSTART_VAL_SIZE}",
+        f"training.eval_interval={ctx.half}",
+    ]
+    t0 = time.monotonic()
+    result = run_preprocess(load_recipe(recipe_path(PLAIN_RECIPE), ctx.base))
+    return _record(
+        "preprocess",
+        t0,
+        f"{result.report['kept']} samples kept, {result.report['dropped']} dropped, cache "
+        f"{'reused' if result.reused else 'written'}: {result.dataset.path}",
+        kept=result.report["kept"],
+        cache_reused=result.reused,
+    )
+
+
+def step_train(ctx: QuickstartContext) -> StepRecord:
+    """4. Train (weights from the HF checkpoint; checkpoints half-way and at the end)."""
+    t0 = time.monotonic()
+    options = ctx.options
+    run = _launch(
+        recipe_path(PLAIN_RECIPE),
+        [*ctx.base, f"training.load={ctx.assets['model']}", f"training.output_dir={ctx.out / 'run'}"],
+        options.nproc,
+        ctx.console,
+    )
+    ctx.runs["train"] = run
+    ctx.losses = losses = _losses(run)
+    _check_every_step(losses, options.steps, "the run")
+    return _record(
+        "train",
+        t0,
+        f"{options.steps} steps on {options.nproc} CPU processes, loss {losses[1]:.4f} -> {losses[options.steps]:.4f}",
+        run=str(run),
+    )
+
+
+def step_resume(ctx: QuickstartContext) -> StepRecord:
+    """5. Resume from the half-way checkpoint in a second launch: the same losses, step for step."""
+    t0 = time.monotonic()
+    half, steps = ctx.half, ctx.options.steps
+    checkpoint = ctx.runs["train"] / "checkpoints" / step_dir_name(half)
+    run = _launch(
+        recipe_path(PLAIN_RECIPE),
+        [*ctx.base, f"training.load={checkpoint}", f"training.output_dir={ctx.out / 'resumed'}"],
+        ctx.options.nproc,
+        ctx.console,
+    )
+    ctx.runs["resumed"] = run
+    losses = _losses(run)
+    expected = {s: ctx.losses[s] for s in range(half + 1, steps + 1)}
+    if losses != expected:
+        raise CheckFailed(f"the resumed run's losses {losses} differ from the uninterrupted run's {expected}")
+    return _record(
+        "resume",
+        t0,
+        f"continued from {checkpoint}: steps {half + 1}-{steps} equal the first run's exactly",
+        run=str(run),
+    )
+
+
+def step_optimized(ctx: QuickstartContext) -> StepRecord:
+    """6. The optimization recipe on the same data and weights."""
+    t0 = time.monotonic()
+    run = _launch(
+        recipe_path(OPTIMIZED_RECIPE),
+        [*ctx.base, f"training.load={ctx.assets['model']}", f"training.output_dir={ctx.out / 'optimized'}"],
+        ctx.options.nproc,
+        ctx.console,
+    )
+    ctx.runs["optimized"] = run
+    return _record(
+        "optimized",
+        t0,
+        f"{ctx.options.steps} steps with chunked loss, recompute, prefetch and GC freeze",
+        run=str(run),
+    )
+
+
+def step_export(ctx: QuickstartContext) -> StepRecord:
+    """7. Export the first run's final checkpoint to HF and load it back with transformers."""
+    t0 = time.monotonic()
+    ctx.export = export = ctx.out / "export"
+    from magistral_cli.checkpoint.dcp_to_hf import export_dcp_to_hf
+
+    export_dcp_to_hf(
+        ctx.runs["train"] / "checkpoints" / step_dir_name(ctx.options.steps),
+        ctx.assets["model"],
+        export,
+        layout="official",
+    )
+    changed = _check_export(ctx.assets["model"], export)
+    return _record("export", t0, f"HF checkpoint {export} loads with transformers; {changed}")
+
+
+def step_lora(ctx: QuickstartContext) -> StepRecord:
+    """8. LoRA: train, resume in a second launch, export both ways, load both back."""
+    t0 = time.monotonic()
+    steps, half = ctx.options.steps, ctx.half
+    run, losses = _lora_train(ctx)
+    ctx.runs["lora"] = run
+    resumed = _lora_resume(ctx, run, losses)
+    adapters, merged, diff = _lora_export(ctx, run)
+    return _record(
+        "lora",
+        t0,
+        f"{steps} steps, loss {losses[1]:.4f} -> {losses[steps]:.4f}; resumed steps "
+        f"{half + 1}-{steps} equal; adapters ({adapters.tensors} tensors) load with peft; merged "
+        f"weights load with transformers and equal peft's merge_and_unload in the base's dtype "
+        f"(logits within {diff:.1e} of the adapters')",
+        run=str(run),
+        resumed=str(resumed),
+        adapters=str(adapters.out_dir),
+        merged=str(merged.out_dir),
+        max_logit_diff=diff,
+    )
+
+
+def step_compare(ctx: QuickstartContext) -> StepRecord:
+    """9. ``magistral compare`` of the plain and optimized runs (its verdict is checked at the end)."""
+    from magistral_cli.analysis.logs import read_run
+    from magistral_cli.analysis.metrics import compare_runs
+
+    t0 = time.monotonic()
+    ctx.comparison = comparison = compare_runs(read_run(ctx.runs["train"]), read_run(ctx.runs["optimized"]))
+    report = comparison.report
+    verdict = "PASS" if comparison.passed else "FAIL"
+    val = report.get("validation") or {}
+    val_text = (
+        f"; validation losses at steps {val.get('steps')}: difference "
+        f"{val['loss']['normalized_mean_abs_diff']:.2e}"
+        if val.get("loss")
+        else ""
+    )
+    plot = _plot(comparison, ctx.out / "compare.png")
+    return _record(
+        "compare",
+        t0,
+        f"plain vs optimized: normalized loss difference {report['loss']['normalized_mean_abs_diff']:.2e} "
+        f"(threshold {report['loss']['threshold']}){val_text}: {verdict}"
+        + (f"; curves in {plot}" if plot else ""),
+        verdict=verdict,
+        normalized_mean_abs_diff=report["loss"]["normalized_mean_abs_diff"],
+        validation_steps=val.get("steps"),
+        plot=str(plot) if plot else None,
+    )
+
+
+def step_probe(ctx: QuickstartContext) -> StepRecord:
+    """10. ``magistral probe all`` on the CPU (its verdicts are checked at the end)."""
+    from magistral_cli.probes import run_all
+
+    t0 = time.monotonic()
+    ctx.probe_results = probe_results = [r.to_json() for r in run_all("cpu")]
+    verdicts = ", ".join(
+        f"{r['probe']}{'' if r['mode'] == 'default' else ' ' + r['mode']}: {r['result']}"
+        for r in probe_results
+    )
+    return _record(
+        "probe",
+        t0,
+        verdicts,
+        results=[{k: r[k] for k in ("probe", "mode", "result")} for r in probe_results],
+    )
+
+
+#: The quickstart's steps, in order; ``step_probe`` follows them unless ``--no-probes``.
+STEPS: list[Callable[[QuickstartContext], StepRecord]] = [
+    step_assets,
+    step_convert,
+    step_preprocess,
+    step_train,
+    step_resume,
+    step_optimized,
+    step_export,
+    step_lora,
+    step_compare,
+]
+
+
 def run_quickstart(
     options: QuickstartOptions, console, progress: Callable[[StepRecord], None]
 ) -> dict[str, Any]:
@@ -134,187 +394,24 @@ def run_quickstart(
     out.mkdir()
     summary: dict[str, Any] = {"workdir": str(workdir), "outputs": str(out), "steps": []}
     started = time.monotonic()
-
-    def record(name: str, t0: float, detail: str, **data: Any) -> None:
-        step = StepRecord(name, round(time.monotonic() - t0, 1), detail, data)
-        summary["steps"].append({"name": step.name, "seconds": step.seconds, "detail": detail, **data})
-        progress(step)
-
-    # 1. assets
-    t0 = time.monotonic()
-    assets = write_assets(workdir, options.samples)
-    record(
-        "assets", t0, f"tiny Mistral3 in {assets['model']}, {options.samples} samples in {assets['data_dir']}"
-    )
-
-    # 2. convert
-    from magistral_cli.checkpoint.hf_to_dcp import convert_hf_to_dcp
-    from magistral_cli.checkpoint.validate import require_valid, validate_dcp
-
-    t0 = time.monotonic()
-    dcp_dir = out / "dcp"
-    convert_hf_to_dcp(assets["model"], dcp_dir, layout="fsdp2")
-    validation = require_valid(validate_dcp(assets["model"], dcp_dir, "fsdp2"))
-    record("convert", t0, f"HF -> DCP {dcp_dir}, validated: {validation.message().splitlines()[0]}")
-
-    # 3. preprocess
-    from magistral_cli.config import load_recipe
-    from magistral_cli.data.pipeline import run_preprocess
-
-    half = options.steps // 2
-    base = [
-        f"data.dataset_param.preprocess_parameters.model_name_or_path={assets['model']}",
-        f"model.model_name_or_path={assets['model']}",
-        f"data.dataset_param.basic_parameters.dataset_dir={assets['data_dir']}",
-        f"data.dataset_param.basic_parameters.dataset={assets['dataset']}",
-        f"data.dataset_param.basic_parameters.cache_dir={assets['cache']}",
-        f"training.train_iters={options.steps}",
-        f"training.save_interval={half}",
-        # A validation split of 8 samples, evaluated half-way and at the end.
-        f"data.dataset_param.basic_parameters.val_size={QUICKSTART_VAL_SIZE}",
-        f"training.eval_interval={half}",
-    ]
-    plain = recipe_path(PLAIN_RECIPE)
-    t0 = time.monotonic()
-    result = run_preprocess(load_recipe(plain, base))
-    record(
-        "preprocess",
-        t0,
-        f"{result.report['kept']} samples kept, {result.report['dropped']} dropped, cache "
-        f"{'reused' if result.reused else 'written'}: {result.dataset.path}",
-        kept=result.report["kept"],
-        cache_reused=result.reused,
-    )
-
-    # 4. train (weights from the HF checkpoint; checkpoints half-way and at the end)
-    t0 = time.monotonic()
-    run_a = _launch(
-        plain,
-        [*base, f"training.load={assets['model']}", f"training.output_dir={out / 'run'}"],
-        options.nproc,
-        console,
-    )
-    losses_a = _losses(run_a)
-    if sorted(losses_a) != list(range(1, options.steps + 1)) or not all(
-        map(math.isfinite, losses_a.values())
-    ):
-        raise CheckFailed(f"the run logged steps {sorted(losses_a)} with losses {losses_a}")
-    record(
-        "train",
-        t0,
-        f"{options.steps} steps on {options.nproc} CPU processes, loss {losses_a[1]:.4f} -> {losses_a[options.steps]:.4f}",
-        run=str(run_a),
-    )
-
-    # 5. resume from the half-way checkpoint in a second launch: the same losses, step for step
-    t0 = time.monotonic()
-    checkpoint = run_a / "checkpoints" / step_dir_name(half)
-    run_b = _launch(
-        plain,
-        [*base, f"training.load={checkpoint}", f"training.output_dir={out / 'resumed'}"],
-        options.nproc,
-        console,
-    )
-    losses_b = _losses(run_b)
-    expected = {s: losses_a[s] for s in range(half + 1, options.steps + 1)}
-    if losses_b != expected:
-        raise CheckFailed(
-            f"the resumed run's losses {losses_b} differ from the uninterrupted run's {expected}"
+    ctx = QuickstartContext(options=options, console=console, workdir=workdir, out=out)
+    for step in [*STEPS, step_probe] if options.probes else STEPS:
+        record = step(ctx)
+        summary["steps"].append(
+            {"name": record.name, "seconds": record.seconds, "detail": record.detail, **record.data}
         )
-    record(
-        "resume",
-        t0,
-        f"continued from {checkpoint}: steps {half + 1}-{options.steps} equal the first run's exactly",
-        run=str(run_b),
-    )
-
-    # 6. the optimization recipe on the same data and weights
-    t0 = time.monotonic()
-    run_c = _launch(
-        recipe_path(OPTIMIZED_RECIPE),
-        [*base, f"training.load={assets['model']}", f"training.output_dir={out / 'optimized'}"],
-        options.nproc,
-        console,
-    )
-    record(
-        "optimized",
-        t0,
-        f"{options.steps} steps with chunked loss, recompute, prefetch and GC freeze",
-        run=str(run_c),
-    )
-
-    # 7. export the final checkpoint to HF and load it back with transformers
-    t0 = time.monotonic()
-    export = out / "export"
-    from magistral_cli.checkpoint.dcp_to_hf import export_dcp_to_hf
-
-    export_dcp_to_hf(
-        run_a / "checkpoints" / step_dir_name(options.steps), assets["model"], export, layout="official"
-    )
-    changed = _check_export(assets["model"], export)
-    record("export", t0, f"HF checkpoint {export} loads with transformers; {changed}")
-
-    # 8. LoRA: train, resume in a second launch, export both ways, load both back
-    t0 = time.monotonic()
-    lora_summary = _lora_steps(out, assets["model"], base, options, console)
-    record("lora", t0, lora_summary.pop("detail"), **lora_summary)
-
-    # 9. probes and the comparison of the plain and optimized runs
-    from magistral_cli.analysis.logs import read_run
-    from magistral_cli.analysis.metrics import compare_runs
-
-    t0 = time.monotonic()
-    comparison = compare_runs(read_run(run_a), read_run(run_c))
-    report = comparison.report
-    verdict = "PASS" if comparison.passed else "FAIL"
-    val = report.get("validation") or {}
-    val_text = (
-        f"; validation losses at steps {val.get('steps')}: difference "
-        f"{val['loss']['normalized_mean_abs_diff']:.2e}"
-        if val.get("loss")
-        else ""
-    )
-    plot = _plot(comparison, out / "compare.png")
-    record(
-        "compare",
-        t0,
-        f"plain vs optimized: normalized loss difference {report['loss']['normalized_mean_abs_diff']:.2e} "
-        f"(threshold {report['loss']['threshold']}){val_text}: {verdict}"
-        + (f"; curves in {plot}" if plot else ""),
-        verdict=verdict,
-        normalized_mean_abs_diff=report["loss"]["normalized_mean_abs_diff"],
-        validation_steps=val.get("steps"),
-        plot=str(plot) if plot else None,
-    )
-    probe_results: list[dict] = []
-    if options.probes:
-        from magistral_cli.probes import run_all
-
-        t0 = time.monotonic()
-        probe_results = [r.to_json() for r in run_all("cpu")]
-        verdicts = ", ".join(
-            f"{r['probe']}{'' if r['mode'] == 'default' else ' ' + r['mode']}: {r['result']}"
-            for r in probe_results
-        )
-        record(
-            "probe",
-            t0,
-            verdicts,
-            results=[{k: r[k] for k in ("probe", "mode", "result")} for r in probe_results],
-        )
+        progress(record)
 
     summary["wall_s"] = round(time.monotonic() - started, 1)
-    failed = [r for r in probe_results if r["result"] == "FAIL"]
+    comparison = ctx.comparison
+    failed = [r for r in ctx.probe_results if r["result"] == "FAIL"]
     summary["pass"] = comparison.passed and not failed
-    summary["runs"] = {
-        "train": str(run_a),
-        "resumed": str(run_b),
-        "optimized": str(run_c),
-        "lora": lora_summary["run"],
-    }
-    summary["export"] = str(export)
+    summary["runs"] = {name: str(run) for name, run in ctx.runs.items()}
+    summary["export"] = str(ctx.export)
     if not comparison.passed:
-        raise CheckFailed(f"magistral compare of the plain and optimized runs failed: {report['failures']}")
+        raise CheckFailed(
+            f"magistral compare of the plain and optimized runs failed: {comparison.report['failures']}"
+        )
     if failed:
         raise CheckFailed("probes failed: " + "; ".join(f"{r['probe']} ({r['reason']})" for r in failed))
     return summary
@@ -333,48 +430,54 @@ def _plot(comparison, path: Path) -> Path | None:
     )
 
 
-def _lora_steps(out: Path, model_dir: Path, base: list[str], options: QuickstartOptions, console) -> dict:
-    """The LoRA recipe: train, resume from the half-way checkpoint in a new run, export, load back."""
+def _lora_train(ctx: QuickstartContext) -> tuple[Path, dict[int, float]]:
+    """The LoRA recipe's first run on the base weights: its directory and its losses."""
+    run = _launch(
+        recipe_path(LORA_RECIPE),
+        [*ctx.base, f"training.load={ctx.assets['model']}", f"training.output_dir={ctx.out / 'lora'}"],
+        ctx.options.nproc,
+        ctx.console,
+    )
+    losses = _losses(run)
+    _check_every_step(losses, ctx.options.steps, "the LoRA run")
+    return run, losses
+
+
+def _lora_resume(ctx: QuickstartContext, run: Path, losses: dict[int, float]) -> Path:
+    """A second LoRA run resumed from the first's half-way checkpoint: the same losses, step for step."""
     import shutil
 
-    from magistral_cli.checkpoint.lora_export import export_lora
-
-    recipe = recipe_path(LORA_RECIPE)
-    half = options.steps // 2
-    overrides = [*base, f"training.load={model_dir}"]
-    run = _launch(recipe, [*overrides, f"training.output_dir={out / 'lora'}"], options.nproc, console)
-    losses = _losses(run)
-    if sorted(losses) != list(range(1, options.steps + 1)) or not all(map(math.isfinite, losses.values())):
-        raise CheckFailed(f"the LoRA run logged steps {sorted(losses)} with losses {losses}")
+    half = ctx.half
     # A LoRA checkpoint holds the adapters only: a second run resumes it from its own checkpoint
     # directory, on the base weights of training.load.
-    resumed_dir = out / "lora_resumed"
+    resumed_dir = ctx.out / "lora_resumed"
     shutil.copytree(
         run / "checkpoints" / step_dir_name(half), resumed_dir / "checkpoints" / step_dir_name(half)
     )
     (resumed_dir / "checkpoints" / LATEST).write_text(step_dir_name(half) + "\n", encoding="utf-8")
-    resumed = _launch(recipe, [*overrides, f"training.output_dir={resumed_dir}"], options.nproc, console)
+    resumed = _launch(
+        recipe_path(LORA_RECIPE),
+        [*ctx.base, f"training.load={ctx.assets['model']}", f"training.output_dir={resumed_dir}"],
+        ctx.options.nproc,
+        ctx.console,
+    )
     losses_b = _losses(resumed)
-    expected = {s: losses[s] for s in range(half + 1, options.steps + 1)}
+    expected = {s: losses[s] for s in range(half + 1, ctx.options.steps + 1)}
     if losses_b != expected:
         raise CheckFailed(f"the resumed LoRA run's losses {losses_b} differ from the first run's {expected}")
-    final = run / "checkpoints" / step_dir_name(options.steps)
-    adapters = export_lora(final, model_dir, out / "lora_adapters", "adapters")
-    merged = export_lora(final, model_dir, out / "lora_merged", "merged")
-    diff = _check_lora_exports(model_dir, adapters.out_dir, merged.out_dir)
-    return {
-        "detail": (
-            f"{options.steps} steps, loss {losses[1]:.4f} -> {losses[options.steps]:.4f}; resumed steps "
-            f"{half + 1}-{options.steps} equal; adapters ({adapters.tensors} tensors) load with peft; merged "
-            f"weights load with transformers and equal peft's merge_and_unload in the base's dtype "
-            f"(logits within {diff:.1e} of the adapters')"
-        ),
-        "run": str(run),
-        "resumed": str(resumed),
-        "adapters": str(adapters.out_dir),
-        "merged": str(merged.out_dir),
-        "max_logit_diff": diff,
-    }
+    return resumed
+
+
+def _lora_export(ctx: QuickstartContext, run: Path):
+    """The final LoRA checkpoint exported as PEFT adapters and as merged weights, both loaded back:
+    the two exports and the largest logit difference between them."""
+    from magistral_cli.checkpoint.lora_export import export_lora
+
+    model_dir = ctx.assets["model"]
+    final = run / "checkpoints" / step_dir_name(ctx.options.steps)
+    adapters = export_lora(final, model_dir, ctx.out / "lora_adapters", "adapters")
+    merged = export_lora(final, model_dir, ctx.out / "lora_merged", "merged")
+    return adapters, merged, _check_lora_exports(model_dir, adapters.out_dir, merged.out_dir)
 
 
 def _check_lora_exports(model_dir: Path, adapters: Path, merged: Path) -> float:
