@@ -310,155 +310,207 @@ def swap_chunk_bytes(trainable_shards: tuple[int, ...], chunk_bytes: int = SWAP_
     return max(largest, size)
 
 
-def estimate(shape: ModelShape, s: PlanSettings) -> MemoryPlan:
-    """The per-rank memory plan of ``shape`` trained with ``s`` (pure arithmetic)."""
-    p, r = s.p, s.r
-    text = shape.text
-    items: list[MemoryItem] = []
+def _item(key: str, name: str, nbytes, phases, formula: str, where: str = "device") -> MemoryItem:
+    return MemoryItem(key, name, where, int(nbytes), tuple(phases), formula)
 
-    def add(key, name, nbytes, phases, formula, where="device"):
-        items.append(MemoryItem(key, name, where, int(nbytes), tuple(phases), formula))
 
-    every = PHASES
-    frozen_shard = shape.shard_numel - shape.trainable_shard_numel
+def micro_batch_tokens(s: PlanSettings) -> tuple[int, int]:
+    """(``T``, ``N``): one micro-batch's tokens on one rank and those whose next token is predicted."""
+    tokens = s.micro_batch_size * math.ceil(s.cutoff_len / s.cp)
+    return tokens, max(1, tokens - s.micro_batch_size)
+
+
+def parameter_shards(shape: ModelShape, s: PlanSettings) -> MemoryItem:
+    """The fp32 master weights' shards, frozen ones included; a LoRA base is held in its own dtype."""
     fb = s.frozen_bytes
     if fb == 4:
-        add(
+        return _item(
             "parameter_shards",
             "parameter shards (fp32)",
             4 * shape.shard_numel,
-            every,
+            PHASES,
             f"4 B x {shape.shard_numel:,} (frozen too)",
         )
-    else:
-        add(
-            "parameter_shards",
-            f"parameter shards (fp32 trainable, {s.frozen_param_dtype} frozen)",
-            4 * shape.trainable_shard_numel + fb * frozen_shard,
-            every,
-            f"4 B x {shape.trainable_shard_numel:,} trainable + {fb} B x {frozen_shard:,} frozen",
-        )
-    add(
+    frozen_shard = shape.shard_numel - shape.trainable_shard_numel
+    return _item(
+        "parameter_shards",
+        f"parameter shards (fp32 trainable, {s.frozen_param_dtype} frozen)",
+        4 * shape.trainable_shard_numel + fb * frozen_shard,
+        PHASES,
+        f"4 B x {shape.trainable_shard_numel:,} trainable + {fb} B x {frozen_shard:,} frozen",
+    )
+
+
+def gradient_shards(shape: ModelShape, s: PlanSettings) -> MemoryItem:
+    """FSDP2's reduce-scattered gradients (fp32, trainable only); alive in the loss phase too when
+    earlier micro-batches' gradients wait for the later ones (gradient accumulation)."""
+    return _item(
         "gradient_shards",
         "gradient shards (fp32)",
         4 * shape.trainable_shard_numel,
         ("backward", "optimizer step") + (("loss",) if s.gradient_accumulation_steps > 1 else ()),
         f"4 B x {shape.trainable_shard_numel:,} trainable",
     )
+
+
+def optimizer_items(shape: ModelShape, s: PlanSettings) -> list[MemoryItem]:
+    """AdamW's two fp32 moments and the step's temporaries: on the device, or with ``adamw_swap``
+    the moments on the host and the chunk being updated on the device."""
     states = 8 * shape.trainable_shard_numel
     fused = s.fused_adam
     if s.optimizer == "adamw_swap":
-        add(
-            "optimizer_states",
-            "AdamW states (fp32, host)",
-            states,
-            every,
-            "2 x 4 B x trainable shard",
-            "host",
-        )
         chunk = swap_chunk_bytes(shape.trainable_shards)
         # On the CPU the moments are used in place (``.to("cpu")`` is a no-op): only foreach's sqrt.
         copies = (0 if s.device == "cpu" else 2) + (0 if fused else 1)
-        add(
-            "optimizer_work",
-            "AdamWSwap chunk on the device",
-            copies * chunk,
-            ("optimizer step",),
-            f"{copies} x largest chunk ({chunk / MIB:,.0f} MiB)",
-        )
-    else:
-        add("optimizer_states", "AdamW states (fp32)", states, every, "2 x 4 B x trainable shard")
-        add(
+        return [
+            _item(
+                "optimizer_states",
+                "AdamW states (fp32, host)",
+                states,
+                PHASES,
+                "2 x 4 B x trainable shard",
+                "host",
+            ),
+            _item(
+                "optimizer_work",
+                "AdamWSwap chunk on the device",
+                copies * chunk,
+                ("optimizer step",),
+                f"{copies} x largest chunk ({chunk / MIB:,.0f} MiB)",
+            ),
+        ]
+    return [
+        _item("optimizer_states", "AdamW states (fp32)", states, PHASES, "2 x 4 B x trainable shard"),
+        _item(
             "optimizer_work",
             "AdamW temporaries",
             0 if fused else 4 * shape.trainable_shard_numel,
             ("optimizer step",),
             "fused: none" if fused else "foreach sqrt(exp_avg_sq): 4 B x trainable shard",
-        )
+        ),
+    ]
 
-    units = shape.units
-    trainable_units = [u for u in units if u.trainable_numel] or list(units)
-    largest = max(units, key=lambda u: u.padded_numel)
-    largest_trainable = max(trainable_units, key=lambda u: u.padded_numel)
+
+def all_gather_buffers(shape: ModelShape, s: PlanSettings) -> MemoryItem:
+    """The largest unit unsharded in ``p``, once computing and once per unit gathered ahead."""
+    p = s.p
+    largest = max(shape.units, key=lambda u: u.padded_numel)
     ahead = max(1, s.num_to_backward_prefetch)
-    add(
+    return _item(
         "all_gather",
         f"all-gather buffers ({p}-byte params)",
         (1 + ahead) * largest.padded_numel * p,
         ("loss", "backward"),
         f"(1 + {ahead} ahead) x {p} B x {largest.padded_numel:,} ({_short(largest.name)})",
     )
-    add(
+
+
+def unit_gradients(shape: ModelShape, s: PlanSettings) -> MemoryItem:
+    """The largest trainable unit's unsharded gradients (``p``) and its reduce-scatter input (``r``)."""
+    p, r = s.p, s.r
+    trainable_units = [u for u in shape.units if u.trainable_numel] or list(shape.units)
+    largest = max(trainable_units, key=lambda u: u.padded_numel)
+    return _item(
         "unit_grads",
         "unit gradients in flight",
-        largest_trainable.trainable_numel * p + largest_trainable.trainable_padded_numel * r,
+        largest.trainable_numel * p + largest.trainable_padded_numel * r,
         ("backward",),
-        f"({p} + {r}) B x {largest_trainable.trainable_numel:,} ({_short(largest_trainable.name)})",
+        f"({p} + {r}) B x {largest.trainable_numel:,} ({_short(largest.name)})",
     )
 
-    tokens = s.micro_batch_size * math.ceil(s.cutoff_len / s.cp)
-    predicted = max(1, tokens - s.micro_batch_size)
+
+def activation_items(shape: ModelShape, s: PlanSettings) -> list[MemoryItem]:
+    """What autograd saves over the decoder's layers and the final norm (the loss phase), and one
+    layer's saves and gradient temporaries during its backward (recomputed or still saved)."""
+    p, text = s.p, shape.text
+    tokens, _ = micro_batch_tokens(s)
     per_layer = layer_activation_bytes_per_token(text, p) + lora_activation_bytes_per_token(shape.lora, p)
     checkpointed = text.recomputed_layers
     saved = checkpointed * p * text.hidden + (text.layers - checkpointed) * per_layer
     final_norm = (4 + 2 * p) * text.hidden
-    add(
-        "activations",
-        "activations (saved for backward)",
-        tokens * (saved + final_norm),
-        ("loss",),
-        f"{tokens:,} tokens x ({checkpointed} checkpoints x {p * text.hidden:,} B"
-        f" + {text.layers - checkpointed} layers x {per_layer:,} B + norm)",
-    )
-    add(
-        "layer_backward",
-        "one layer's backward" + (" (recomputed)" if checkpointed else ""),
-        tokens * (per_layer + layer_backward_temp_bytes_per_token(text, p)),
-        ("backward",),
-        f"{tokens:,} tokens x ({per_layer:,} saved + {layer_backward_temp_bytes_per_token(text, p):,} grad) B",
-    )
-    head, head_formula = loss_head_bytes(predicted, text, p, s.chunk_size)
-    add(
+    backward_temp = layer_backward_temp_bytes_per_token(text, p)
+    return [
+        _item(
+            "activations",
+            "activations (saved for backward)",
+            tokens * (saved + final_norm),
+            ("loss",),
+            f"{tokens:,} tokens x ({checkpointed} checkpoints x {p * text.hidden:,} B"
+            f" + {text.layers - checkpointed} layers x {per_layer:,} B + norm)",
+        ),
+        _item(
+            "layer_backward",
+            "one layer's backward" + (" (recomputed)" if checkpointed else ""),
+            tokens * (per_layer + backward_temp),
+            ("backward",),
+            f"{tokens:,} tokens x ({per_layer:,} saved + {backward_temp:,} grad) B",
+        ),
+    ]
+
+
+def loss_logits(shape: ModelShape, s: PlanSettings) -> MemoryItem:
+    """The loss head's logits and their gradients over the ``N`` predicted tokens (plain or chunked)."""
+    _, predicted = micro_batch_tokens(s)
+    head, head_formula = loss_head_bytes(predicted, shape.text, s.p, s.chunk_size)
+    return _item(
         "loss_logits",
         "loss head logits" + (" (chunked)" if s.chunk_size else ""),
         head,
         ("loss",),
         head_formula,
     )
-    if s.gradient_accumulation_steps > 1 and s.defer_grad_sync:
-        add(
+
+
+def defers_grad_sync(s: PlanSettings) -> bool:
+    """FSDP2 keeps the gradients unsharded between micro-batches (``defer_grad_sync`` with accumulation)."""
+    return s.gradient_accumulation_steps > 1 and s.defer_grad_sync
+
+
+def deferred_gradients(shape: ModelShape, s: PlanSettings) -> list[MemoryItem]:
+    """With ``defer_grad_sync`` every trainable parameter's gradient unsharded in ``r`` on every rank."""
+    if not defers_grad_sync(s):
+        return []
+    return [
+        _item(
             "deferred_grads",
             "unsharded gradients (defer_grad_sync)",
-            shape.trainable * r,
+            shape.trainable * s.r,
             ("loss", "backward"),
-            f"{r} B x {shape.trainable:,} trainable, on every rank",
+            f"{s.r} B x {shape.trainable:,} trainable, on every rank",
         )
+    ]
 
+
+def phase_bytes(items: list[MemoryItem], shape: ModelShape, s: PlanSettings) -> dict[str, int]:
+    """The device bytes alive in each phase: its items' sum."""
     phases = {ph: sum(i.bytes for i in items if i.where == "device" and ph in i.phases) for ph in PHASES}
-    if s.gradient_accumulation_steps > 1 and s.defer_grad_sync:
+    if defers_grad_sync(s):
         # The unsharded gradients are reduce-scattered unit by unit in the last backward: the
         # shards replace them, the two are never both complete.
         grads = next(i.bytes for i in items if i.key == "gradient_shards")
-        phases["backward"] -= min(grads, shape.trainable * r)
+        phases["backward"] -= min(grads, shape.trainable * s.r)
         phases["loss"] -= grads
-    peak_phase = max(phases, key=phases.get)
-    device_peak = phases[peak_phase]
-    host_items = sum(i.bytes for i in items if i.where == "host")
+    return phases
+
+
+def cpu_runtime() -> MemoryItem:
+    """What a CPU rank takes at first use beyond its tensors (``CPU_RUNTIME_BYTES``, measured)."""
+    return _item(
+        "cpu_runtime",
+        "CPU runtime (allocator, kernels)",
+        CPU_RUNTIME_BYTES,
+        PHASES,
+        "measured constant (first-use allocations)",
+        "host",
+    )
+
+
+def plan_notes(shape: ModelShape, s: PlanSettings) -> list[str]:
+    """What the figures assume or leave out, for the reader of the plan."""
     notes: list[str] = []
     if s.device == "cpu":
-        add(
-            "cpu_runtime",
-            "CPU runtime (allocator, kernels)",
-            CPU_RUNTIME_BYTES,
-            every,
-            "measured constant (first-use allocations)",
-            "host",
-        )
-        host_peak = host_items + CPU_RUNTIME_BYTES + device_peak
         notes.append("on the CPU the device is the host: the host total includes the device peak")
-    else:
-        host_peak = host_items
-    if fused and s.device != "cpu" and s.optimizer == "adamw":
+    if s.fused_adam and s.device != "cpu" and s.optimizer == "adamw":
         notes.append(
             "assumes the fused AdamW kernel runs on the device; where it does not, the trainer falls back to "
             f"foreach (run_identity.json: resolved.adamw) and the optimizer step takes "
@@ -475,7 +527,11 @@ def estimate(shape: ModelShape, s: PlanSettings) -> MemoryPlan:
         notes.append(
             "the vision tower is trainable: its activations depend on the images and are not counted"
         )
+    return notes
 
+
+def plan_warnings(s: PlanSettings, device_peak: int, host_peak: int) -> list[str]:
+    """The peaks above ``WARN_FRACTION`` of the device's (not the CPU's) or the node's memory."""
     warnings: list[str] = []
     if s.device_memory_bytes and s.device != "cpu" and device_peak > WARN_FRACTION * s.device_memory_bytes:
         warnings.append(
@@ -488,21 +544,50 @@ def estimate(shape: ModelShape, s: PlanSettings) -> MemoryPlan:
             f"estimated host memory {node_host / GIB:.1f} GiB per node ({s.nproc_per_node} ranks) is above "
             f"{WARN_FRACTION:.0%} of the {s.host_memory_bytes / GIB:.1f} GiB here"
         )
+    return warnings
+
+
+def parameter_counts(shape: ModelShape) -> dict[str, int]:
+    """The plan's parameter counts; with LoRA, the adapters and what a checkpoint holds."""
     parameters = {"total": shape.total, "trainable": shape.trainable, "frozen": shape.frozen}
     if shape.lora is not None:
         # A LoRA checkpoint holds the trainable tensors only (engine.lora.adapter_state_dict).
         parameters["adapters"] = shape.lora.adapter_numel
         parameters["checkpointed"] = shape.trainable
+    return parameters
+
+
+def estimate(shape: ModelShape, s: PlanSettings) -> MemoryPlan:
+    """The per-rank memory plan of ``shape`` trained with ``s`` (pure arithmetic): the items, in the
+    module doc's order, summed per phase; the device peak is the largest phase."""
+    items = [
+        parameter_shards(shape, s),
+        gradient_shards(shape, s),
+        *optimizer_items(shape, s),
+        all_gather_buffers(shape, s),
+        unit_gradients(shape, s),
+        *activation_items(shape, s),
+        loss_logits(shape, s),
+        *deferred_gradients(shape, s),
+    ]
+    phases = phase_bytes(items, shape, s)
+    peak_phase = max(phases, key=phases.get)
+    device_peak = phases[peak_phase]
+    host_peak = sum(i.bytes for i in items if i.where == "host")
+    if s.device == "cpu":
+        # On the CPU the device is the host: its peak and the runtime count there.
+        items.append(cpu_runtime())
+        host_peak += CPU_RUNTIME_BYTES + device_peak
     return MemoryPlan(
         settings=s,
-        parameters=parameters,
+        parameters=parameter_counts(shape),
         items=items,
         phases=phases,
         peak_phase=peak_phase,
         device_peak=device_peak,
         host_peak=host_peak,
-        warnings=warnings,
-        notes=notes,
+        warnings=plan_warnings(s, device_peak, host_peak),
+        notes=plan_notes(shape, s),
     )
 
 
