@@ -25,16 +25,7 @@ from . import checkpoint as ckpt
 from . import lora as lora_mod
 from .batch import check_micro_batch, per_sample_weights, to_device
 from .data import DataSource, build_sources
-from .metrics import (
-    FLOP_UNIT,
-    MetricsFile,
-    Progress,
-    add_step_time,
-    micro_batch_flops,
-    peak_tflops,
-    step_record,
-    write_summary,
-)
+from .metrics import FLOP_UNIT, micro_batch_flops, step_record, write_summary
 from .model import (
     build_model,
     install_loss_head,
@@ -48,29 +39,10 @@ from .parallelize import ParallelDims, parallelize_model
 from .profiling import MemoryProfiler, StepProfiler
 from .resume import CheckpointManager
 from .rng import seed_everything
-from .validate import evaluate, log_validation
+from .step_log import StepLog, read_step_values
+from .validate import evaluate
 
 log = logging.getLogger("magistral_cli.engine")
-
-
-def read_step_values(
-    grad_norm: torch.Tensor, loss_sum: torch.Tensor, counts: torch.Tensor | None
-) -> dict[str, Any]:
-    """The step's gradient norm, loss sum and (exact, int64) counts in one device-to-host read.
-
-    float64 holds integers exactly only up to 2**53, so each count travels as its high and low 32
-    bits (each exact in float64) and is put back together here.
-    """
-    parts = [torch.stack([grad_norm, loss_sum]).to(torch.float64)]
-    if counts is not None:
-        parts += [(counts >> 32).to(torch.float64), (counts & 0xFFFFFFFF).to(torch.float64)]
-    values = torch.cat(parts).tolist()
-    host: dict[str, Any] = {"grad_norm": values[0], "loss_sum": values[1], "counts": None}
-    if counts is not None:
-        n = counts.numel()
-        high, low = values[2 : 2 + n], values[2 + n :]
-        host["counts"] = [(int(h) << 32) + int(lo) for h, lo in zip(high, low, strict=True)]
-    return host
 
 
 class Trainer:
@@ -403,71 +375,57 @@ class Trainer:
         """Train to ``training.train_iters`` (or ``max_steps`` more steps); return the logged records."""
         training, tools = self.recipe.training, self.recipe.tools
         is_rank0 = self.rank == 0
-        # tools.logger (TensorBoard / W&B) sinks get every line, from rank 0 only.
-        metrics = (
-            MetricsFile(self.run_dir / "metrics.jsonl", resume_step=self.step, recipe=self.recipe)
-            if is_rank0
-            else None
+        steps = StepLog(
+            self.recipe,
+            self.run_dir,
+            step=self.step,
+            rank=self.rank,
+            device_type=self.device_type,
+            world_size=self.world_size,
         )
-        if metrics is not None and metrics.moved_aside is not None:
-            log.warning("metrics.jsonl lines after step %d moved to %s", self.step, metrics.moved_aside)
-        progress = Progress(training.train_iters, self.step, enabled=is_rank0)
-        peak = peak_tflops(self.device_type, tools.peak_tflops)  # MFU's denominator (None: unknown)
         profiler = StepProfiler(tools.profile, self.run_dir, self.rank, self.device_type)
         mem_profiler = MemoryProfiler(tools.memory_profile, self.run_dir, self.rank, self.device_type)
         stop = training.train_iters if max_steps is None else min(training.train_iters, self.step + max_steps)
         # Skipped steps stop the run at SKIP_LIMIT in a row, or when every step of a shorter run is.
         self.nonfinite.limit_run(stop - self.step)
-        records: list[dict[str, Any]] = []
         last_saved = last_evaluated = self.step
         save_due = False  # a checkpoint held back while its step's update was skipped
         try:
-            # Step times exclude evaluations and checkpoint writes (``paused``): they are no step's work.
-            interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
+            steps.restart_interval()
             while self.step < stop:
                 step = self.step + 1
                 profiler.before_step(step)
                 mem_profiler.before_step(step)
                 batches = [self._next_micro_batch() for _ in range(training.gradient_accumulation_steps)]
                 out = self.train_step(batches)
-                interval_steps += 1
-                if step % training.log_interval == 0 or step == stop:
-                    # The step waited for its forward and backward (the finiteness read): in steady
-                    # state the interval below is the step period, the queued AdamW included.
-                    record = self._record(out)
-                    # Mean step time since the last logged step (steps in between are not synced).
-                    elapsed = (time.perf_counter() - interval_start - paused) / interval_steps
-                    add_step_time(record, elapsed, self.world_size, peak)
-                    records.append(record)
-                    if metrics is not None:
-                        metrics.write(record)
-                    progress.update(record)
-                    interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
-                pause_start = time.perf_counter()
-                if (
-                    self.val_data is not None
-                    and training.eval_interval
-                    and step % training.eval_interval == 0
-                ):
-                    self._validate(metrics, progress)
-                    last_evaluated = step
-                if (
-                    self.save_dir is not None
-                    and training.save_interval
-                    and step % training.save_interval == 0
-                ):
-                    save_due = True
-                    if self.nonfinite.streak and is_rank0:
-                        log.warning(
-                            "step %d was skipped: its checkpoint waits for the next applied update", step
-                        )
-                if save_due and not self.nonfinite.streak:
-                    # Never a checkpoint inside a run of skipped steps: one that reaches SKIP_LIMIT
-                    # stops the run, and the newest checkpoint is then an update that was applied.
-                    path = self.save()
-                    last_saved, save_due = step, False
-                    progress.message(f"checkpoint {path}")
-                paused += time.perf_counter() - pause_start
+                # A logged step waited for its forward and backward (the finiteness read): in steady
+                # state its interval is the step period, the queued AdamW included.
+                logged = step % training.log_interval == 0 or step == stop
+                steps.step_taken(self._record(out) if logged else None)
+                with steps.paused():
+                    if (
+                        self.val_data is not None
+                        and training.eval_interval
+                        and step % training.eval_interval == 0
+                    ):
+                        steps.validation(self.evaluate())
+                        last_evaluated = step
+                    if (
+                        self.save_dir is not None
+                        and training.save_interval
+                        and step % training.save_interval == 0
+                    ):
+                        save_due = True
+                        if self.nonfinite.streak and is_rank0:
+                            log.warning(
+                                "step %d was skipped: its checkpoint waits for the next applied update", step
+                            )
+                    if save_due and not self.nonfinite.streak:
+                        # Never a checkpoint inside a run of skipped steps: one that reaches SKIP_LIMIT
+                        # stops the run, and the newest checkpoint is then an update that was applied.
+                        path = self.save()
+                        last_saved, save_due = step, False
+                        steps.message(f"checkpoint {path}")
                 if training.manual_gc_interval and step % training.manual_gc_interval == 0:
                     gc.collect()
                 mem_profiler.after_step(step)
@@ -477,7 +435,7 @@ class Trainer:
                 and self.step == training.train_iters
                 and last_evaluated != self.step
             ):
-                self._validate(metrics, progress)  # the end of training: always one evaluation
+                steps.validation(self.evaluate())  # the end of training: always one evaluation
             if (
                 self.save_dir is not None
                 and training.save_interval
@@ -485,17 +443,10 @@ class Trainer:
                 and self.step == training.train_iters
             ):
                 path = self.save()
-                progress.message(f"checkpoint {path}")
+                steps.message(f"checkpoint {path}")
         finally:
-            progress.close()
-            if metrics is not None:
-                metrics.close()
-        return records
-
-    def _validate(self, metrics: MetricsFile | None, progress: Progress) -> None:
-        record = self.evaluate()
-        if record is not None:
-            log_validation(record, metrics, progress, rank=self.rank)
+            steps.close()
+        return steps.records
 
     def close(self, exit_status: int = 0, error: str | None = None) -> None:
         """Write summary.json (rank 0) and leave the process group if this trainer joined it.

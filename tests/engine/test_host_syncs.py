@@ -14,7 +14,8 @@ import inspect
 import pytest
 import torch
 
-from magistral_cli.engine.trainer import Trainer, read_step_values
+from magistral_cli.engine.step_log import read_step_values
+from magistral_cli.engine.trainer import Trainer
 from magistral_cli.testing.host_sync import HostSyncCounter
 
 from .helpers import make_recipe, write_tiny_model
@@ -74,7 +75,7 @@ def test_a_training_step_reads_the_device_once(tiny, tmp_path, accumulation):
     lines, first = inspect.getsourcelines(read_step_values)
     read_line = first + next(i for i, line in enumerate(lines) if ".tolist()" in line)
     for sites in per_step:
-        assert sites == {f"tolist at trainer.py:{read_line}": 1}, sites
+        assert sites == {f"tolist at step_log.py:{read_line}": 1}, sites
 
 
 def test_the_step_values_come_back_exact_in_one_read():
