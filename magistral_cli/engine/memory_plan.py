@@ -547,7 +547,7 @@ def plan_warnings(s: PlanSettings, device_peak: int, host_peak: int) -> list[str
     return warnings
 
 
-def parameter_counts(shape: ModelShape) -> dict[str, int]:
+def plan_parameters(shape: ModelShape) -> dict[str, int]:
     """The plan's parameter counts; with LoRA, the adapters and what a checkpoint holds."""
     parameters = {"total": shape.total, "trainable": shape.trainable, "frozen": shape.frozen}
     if shape.lora is not None:
@@ -580,7 +580,7 @@ def estimate(shape: ModelShape, s: PlanSettings) -> MemoryPlan:
         host_peak += CPU_RUNTIME_BYTES + device_peak
     return MemoryPlan(
         settings=s,
-        parameters=parameter_counts(shape),
+        parameters=plan_parameters(shape),
         items=items,
         phases=phases,
         peak_phase=peak_phase,
