@@ -6,9 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 from magistral_cli.cli.main import app
+from magistral_cli.quickstart import QuickstartContext, QuickstartOptions, step_assets, step_preprocess
 
 
 def _steps(run_dir: Path, split: str = "train") -> list[int]:
@@ -58,9 +60,16 @@ def test_quickstart_runs_the_whole_workflow(tmp_path):
     assert lora["max_logit_diff"] < 0.05  # the merged weights are rounded to the base's bf16
 
     # A second quickstart in the same workdir reuses the model, the data and the preprocessing cache.
-    again = CliRunner().invoke(
-        app, ["quickstart", "--workdir", str(tmp_path), "--steps", "2", "--no-probes", "--json"]
+    # Its first steps are what decides that, so they run alone (the rest is the run above again).
+    model_index = tmp_path / "model" / "model.safetensors.index.json"
+    before = model_index.stat().st_mtime_ns
+    ctx = QuickstartContext(
+        options=QuickstartOptions(workdir=tmp_path, steps=2, probes=False),
+        console=Console(quiet=True),
+        workdir=tmp_path,
+        out=tmp_path / "second",
     )
-    assert again.exit_code == 0, again.output
-    second = {step["name"]: step for step in json.loads(again.stdout)["steps"]}
-    assert second["preprocess"]["cache_reused"] is True
+    assert step_assets(ctx).name == "assets"
+    assert model_index.stat().st_mtime_ns == before
+    again = step_preprocess(ctx)
+    assert again.data["cache_reused"] is True and again.data["kept"] == by_name["preprocess"]["kept"]
