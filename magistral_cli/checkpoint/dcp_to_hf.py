@@ -16,6 +16,7 @@ serialize each whole output file in memory (``safetensors.torch.save``) from a s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -29,6 +30,7 @@ import time
 import warnings
 import zipfile
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -589,9 +591,14 @@ def export_dcp_to_hf(
     read_counts = {"direct": 0, "torch_load": 0}
     started = time.perf_counter()
 
-    with staged_directory(out_dir, "output directory") as tmp:
+    # With --fsync each file's sync starts in the background as soon as its last tensor is in, while
+    # the next file is copied (one thread: the disk, not the CPU, is what it waits on).
+    syncer = ThreadPoolExecutor(1, thread_name_prefix="fsync") if fsync else None
+    with staged_directory(out_dir, "output directory") as tmp, syncer or contextlib.nullcontext():
         writers = {
-            name: SafetensorsStreamWriter(tmp / name, file_specs, metadata={"format": "pt"})
+            name: SafetensorsStreamWriter(
+                tmp / name, file_specs, metadata={"format": "pt"}, sync_early=syncer
+            )
             for name, file_specs in specs.items()
         }
         try:

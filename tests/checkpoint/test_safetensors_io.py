@@ -83,3 +83,49 @@ def test_row_blocks_complete_a_tensor(tmp_path):
     writer.write("w", full[:4], row_offset=0)
     writer.close()
     assert (tmp_path / "rows.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+def test_early_sync_starts_when_the_last_byte_is_in_and_keeps_the_bytes(tmp_path):
+    """``sync_early``: the fsync is submitted once every byte of the file is written (an empty
+    tensor never written does not hold it back), close waits for it; the file is unchanged."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tensors = _tensors()
+    save_file(tensors, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    specs = [TensorSpec(k, safetensors_dtype(v.dtype), tuple(v.shape)) for k, v in tensors.items()]
+    with ThreadPoolExecutor(1) as pool:
+        writer = SafetensorsStreamWriter(
+            tmp_path / "ours.safetensors", specs, metadata={"format": "pt"}, sync_early=pool
+        )
+        written = [k for k in tensors if k != "f.empty"]
+        for key in written[:-1]:
+            writer.write(key, tensors[key])
+        assert writer._synced is None  # bytes still to come
+        writer.write(written[-1], tensors[written[-1]])
+        assert writer._synced is not None
+        writer.close(fsync=True)
+        assert writer._synced.done() and writer._synced.exception() is None
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("src_offset, dst_offset", [(64, 1000), (4096 + 8, 8), (0, 0)])
+def test_range_copy_gives_the_same_bytes_aligned_or_not(tmp_path, src_offset, dst_offset):
+    """Offsets at different places in their pages go through the buffer, the same place through
+    copy_file_range: the bytes that arrive are the source's either way, across several buffers."""
+    import os
+
+    from magistral_cli.checkpoint import safetensors_io
+
+    data = os.urandom(3 * (1 << 20) + 12345)
+    (tmp_path / "src").write_bytes(b"\0" * src_offset + data)
+    src = os.open(tmp_path / "src", os.O_RDONLY)
+    dst = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT, 0o644)
+    spare = os.open(tmp_path / "spare", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        safetensors_io._copy_file_range(src, src_offset, dst, dst_offset, len(data))
+        with pytest.raises(ValueError, match="short"):  # the source ends 10 bytes early
+            safetensors_io._copy_file_range(src, src_offset + 10, spare, dst_offset, len(data))
+    finally:
+        for fd in (src, dst, spare):
+            os.close(fd)
+    assert (tmp_path / "dst").read_bytes()[dst_offset:] == data
