@@ -29,6 +29,21 @@ def hub(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def push_hub(hub, tmp_path, monkeypatch):
+    """The local Hub taking uploads: HF_TOKEN set to the token it expects (``hub.token``, never to be
+    seen in any output), no stored token read, and the client's LFS transfer (the local Hub does not
+    serve Xet storage)."""
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-stored-token"))
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "no-stored-tokens"))
+    hub.token = "hf_localtesttoken0123456789"
+    monkeypatch.setenv("HF_TOKEN", hub.token)
+    return hub
+
+
+@pytest.fixture
 def lock(tmp_path, hub):
     path = tmp_path / "lock.json"
     path.write_text(json.dumps(add_synthetic_model(hub)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -78,6 +79,71 @@ AllowUnverified = Annotated[
         "looks the same. A checkpoint with a record is always verified, and refused when a file differs.",
     ),
 ]
+
+PushToHub = Annotated[
+    Optional[str],
+    typer.Option(
+        "--push-to-hub",
+        metavar="REPO_ID",
+        help="After the export, upload the directory to this Hub repository (created if new) in one commit, "
+        "with a generated model card (README.md: base model, data, recipe, metrics, magistral version). The token "
+        "is huggingface_hub's (HF_TOKEN or `hf auth login`); HF_ENDPOINT applies.",
+        show_default=False,
+    ),
+]
+Private = Annotated[
+    bool,
+    typer.Option(
+        "--private",
+        help="With --push-to-hub: create the repository private (an existing one keeps its visibility).",
+    ),
+]
+Revision = Annotated[
+    Optional[str],
+    typer.Option(
+        "--revision",
+        metavar="BRANCH",
+        help="With --push-to-hub: the branch to commit to (created from main if new; default main).",
+        show_default=False,
+    ),
+]
+
+
+@dataclass
+class _Push:
+    repo_id: str
+    private: bool
+    revision: str | None
+
+
+def _push_request(repo_id: str | None, private: bool, revision: str | None) -> _Push | None:
+    """The --push-to-hub request, checked before any export starts (id, branch, token), or None."""
+    from magistral_cli.errors import UserError
+
+    if repo_id is None:
+        if private or revision is not None:
+            raise UserError("--private and --revision go with --push-to-hub REPO_ID; add it or drop them")
+        return None
+    from magistral_cli.checkpoint.publish import check_push
+
+    check_push(repo_id, revision)
+    return _Push(repo_id, private, revision)
+
+
+def _publish(
+    push: _Push | None, out_dir: Path, kind: str, checkpoint: Path | None, base: Path | None
+) -> dict:
+    """Write the model card into ``out_dir`` and upload it; ``{"hub": ...}`` for the JSON result."""
+    if push is None:
+        return {}
+    from magistral_cli.checkpoint.publish import model_card, push_folder, write_card
+
+    card = model_card(out_dir, repo_id=push.repo_id, kind=kind, checkpoint=checkpoint, base_dir=base)
+    write_card(out_dir, card)
+    console.print(f"uploading {out_dir} to {push.repo_id} ...")
+    pushed = push_folder(out_dir, push.repo_id, private=push.private, revision=push.revision)
+    console.print(f"[green]published[/] {pushed.repo_id}@{pushed.revision}: {pushed.commit_url}")
+    return {"hub": pushed.to_dict()}
 
 
 @contextmanager
@@ -231,6 +297,9 @@ def dcp_to_hf(
         ),
     ] = None,
     allow_unverified: AllowUnverified = False,
+    push_to_hub: PushToHub = None,
+    private: Private = False,
+    revision: Revision = None,
     json_out: JsonOut = False,
 ) -> None:
     """Export the model weights of a DCP checkpoint as HF safetensors with the source's file split, or in
@@ -253,13 +322,14 @@ def dcp_to_hf(
             "--model-dir is required: the HF model directory the checkpoint belongs to (a LoRA run's checkpoint "
             "is exported with --lora adapters or --lora merged)"
         )
+    push = _push_request(push_to_hub, private, revision)
     if dcp_dir is None:
         if not native or mode is not None:
             raise UserError(
                 "--dcp-dir is required: the checkpoint to export (only --format mistral without --lora exports "
                 "--model-dir's own weights)"
             )
-        _export_model_dir_native(model_dir or base, out_dir, fsync, json_out)
+        _export_model_dir_native(model_dir or base, out_dir, fsync, json_out, push)
         return
     refuse_existing(out_dir, "output directory")  # before the checkpoint is read (and verified)
     # Resolved and verified once: from a run's checkpoints/, the newest intact step_N.
@@ -274,6 +344,7 @@ def dcp_to_hf(
             json_out,
             allow_unverified,
             export_format.value,
+            push,
         )
         return
     from magistral_cli.checkpoint.lora_export import is_lora_checkpoint
@@ -298,8 +369,9 @@ def dcp_to_hf(
             format=export_format.value,
         )
     _print_export(result, f"from a {result.dcp_layout}-layout DCP")
+    hub = _publish(push, result.out_dir, "native" if native else "full", checkpoint, model_dir)
     if json_out:
-        emit_json(result.to_dict())
+        emit_json({**result.to_dict(), **hub})
 
 
 def _print_export(result, source: str) -> None:
@@ -311,14 +383,17 @@ def _print_export(result, source: str) -> None:
     )
 
 
-def _export_model_dir_native(model_dir: Path, out_dir: Path, fsync: bool, json_out: bool) -> None:
+def _export_model_dir_native(
+    model_dir: Path, out_dir: Path, fsync: bool, json_out: bool, push: _Push | None
+) -> None:
     from magistral_cli.checkpoint.dcp_to_hf import export_hf_to_native
 
     with _progress("dcp-to-hf (mistral)") as progress:
         result = export_hf_to_native(model_dir, out_dir, progress=progress, fsync=fsync)
     _print_export(result, f"from the model directory {model_dir}")
+    hub = _publish(push, result.out_dir, "native", None, model_dir)
     if json_out:
-        emit_json(result.to_dict())
+        emit_json({**result.to_dict(), **hub})
 
 
 def _export_lora(
@@ -330,6 +405,7 @@ def _export_lora(
     json_out: bool,
     allow_unverified: bool,
     export_format: str = "hf",
+    push: _Push | None = None,
 ) -> None:
     from magistral_cli.checkpoint.lora_export import default_base, export_lora
     from magistral_cli.errors import UserError
@@ -361,8 +437,45 @@ def _export_lora(
             f"{result.copied_tensors} copied; copied {', '.join(result.copied)}"
         )
     console.print(f"[green]wrote[/] {result.out_dir}: {what} in {result.seconds:.1f} s (base {base})")
+    hub = _publish(push, result.out_dir, mode, dcp_dir, base)
     if json_out:
-        emit_json(result.to_dict())
+        emit_json({**result.to_dict(), **hub})
+
+
+@convert_app.command("push")
+def push(
+    directory: Annotated[
+        Path, typer.Option("--dir", help="An export directory (dcp-to-hf's --out-dir).", show_default=False)
+    ],
+    repo_id: Annotated[
+        str,
+        typer.Option(
+            "--repo-id", metavar="REPO_ID", help="The Hub repository (created if new).", show_default=False
+        ),
+    ],
+    private: Private = False,
+    revision: Revision = None,
+    json_out: JsonOut = False,
+) -> None:
+    """Upload an export directory to a Hub repository, as dcp-to-hf --push-to-hub does (e.g. again after a
+    network failure). Its README.md is uploaded as it is; without one a model card is written first."""
+    from magistral_cli.checkpoint.publish import CARD_NAME, model_card, push_folder, write_card
+    from magistral_cli.errors import UserError
+
+    request = _push_request(repo_id, private, revision)
+    if not directory.is_dir() or not any(directory.glob("*.safetensors")):
+        raise UserError(
+            f"--dir {directory} is not an export directory (no .safetensors files); pass dcp-to-hf's --out-dir"
+        )
+    if not (directory / CARD_NAME).is_file():
+        kind = "adapters" if (directory / "adapter_config.json").is_file() else "full"
+        write_card(
+            directory, model_card(directory, repo_id=repo_id, kind=kind, checkpoint=None, base_dir=None)
+        )
+    pushed = push_folder(directory, request.repo_id, private=request.private, revision=request.revision)
+    console.print(f"[green]published[/] {pushed.repo_id}@{pushed.revision}: {pushed.commit_url}")
+    if json_out:
+        emit_json(pushed.to_dict())
 
 
 def register(app: typer.Typer) -> None:

@@ -9,6 +9,19 @@ with ``X-Repo-Commit``, ``ETag`` (the git blob SHA-1 of small files), for LFS-li
 ``X-Linked-Size``, ``Content-Length`` and ``Accept-Ranges``; ``Range: bytes=N-`` gives a 206.
 Unknown repositories, revisions and files get the Hub's 401/404 answers with ``X-Error-Code``.
 
+Uploads, the endpoints ``huggingface_hub``'s ``create_repo``, ``create_branch`` and
+``upload_folder`` call (with the client's legacy LFS transfer: set ``HF_HUB_DISABLE_XET=1`` before
+``huggingface_hub`` is imported, or ``huggingface_hub.constants.HF_HUB_DISABLE_XET = True``; Xet
+storage is not served): ``POST /api/repos/create``, ``POST /api/validate-yaml`` (the model card's
+metadata, read with ``yaml.safe_load``), ``POST /api/models/{repo}/branch/{branch}``,
+``POST /api/models/{repo}/preupload/{rev}`` (``*.safetensors`` and files over ``lfs_threshold``
+go by LFS), ``POST /{repo}.git/info/lfs/objects/batch`` and ``PUT /lfs-upload/{oid}`` (the bytes
+are checked against their SHA-256), ``POST /api/models/{repo}/commit/{rev}`` (the ndjson commit:
+each file lands at ``root/{repo}/{rev}/{path}``, served by the download endpoint from then on).
+Every write needs a token (any one, or ``token`` when set); ``refused_namespaces`` answer 403 as
+the Hub does for a namespace the token may not write to. ``repos`` records each created repository
+(``{"private": bool}``) and ``commits`` each commit (repo, revision, summary, paths).
+
 Faults for tests: ``cut_once`` (paths whose first GET is cut after half the body), ``corrupt``
 (paths served with one byte flipped), ``token`` (require ``Authorization: Bearer <token>``).
 Every request is recorded in ``requests`` (method, path, Range header, whether a token came).
@@ -19,10 +32,12 @@ Run by hand: ``python -m magistral_cli.testing.local_hub ROOT [--port N]``.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import hashlib
 import json
 import re
+import shutil
 import socket
 import threading
 from dataclasses import dataclass, field
@@ -31,6 +46,19 @@ from pathlib import Path
 from urllib.parse import unquote
 
 _RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)$")
+_REPO_API = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/(?P<action>preupload|commit|branch)/(?P<rev>.+)$")
+_LFS_BATCH = re.compile(r"^/(?P<repo>[^/]+/[^/]+)\.git/info/lfs/objects/batch$")
+_LFS_UPLOAD = re.compile(r"^/lfs-upload/(?P<oid>[0-9a-f]{64})$")
+#: The user a token belongs to on this hub (a repository id without a namespace goes there).
+LOCAL_USER = "local-user"
+
+
+@dataclass
+class SeenCommit:
+    repo: str
+    revision: str
+    summary: str
+    paths: list[str]
 
 
 @dataclass
@@ -52,6 +80,9 @@ class LocalHub:
     cut_once: set[str] = field(default_factory=set)
     corrupt: set[str] = field(default_factory=set)
     requests: list[SeenRequest] = field(default_factory=list)
+    refused_namespaces: set[str] = field(default_factory=set)
+    repos: dict[str, dict] = field(default_factory=dict)
+    commits: list[SeenCommit] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -111,6 +142,12 @@ class LocalHub:
                 self._meta[path] = (blob, hashlib.sha256(data).hexdigest())
             return self._meta[path]
 
+    def lfs_store(self) -> Path:
+        """Where uploaded LFS objects wait for their commit (outside every repository's folder)."""
+        store = self.root / ".lfs-objects"
+        store.mkdir(parents=True, exist_ok=True)
+        return store
+
     def ranges_seen(self, name: str) -> list[str]:
         """The Range headers of the GET requests for files named ``name``."""
         return [
@@ -144,13 +181,18 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def _serve(self, head: bool) -> None:
-        hub = self.hub
+    def _record(self) -> tuple[str, str | None]:
+        """(the URL's path, the Authorization header), the request recorded."""
         auth = self.headers.get("Authorization")
         url_path = self.path.split("?", 1)[0]
-        hub.requests.append(
+        self.hub.requests.append(
             SeenRequest(self.command, unquote(url_path), self.headers.get("Range"), auth is not None)
         )
+        return url_path, auth
+
+    def _serve(self, head: bool) -> None:
+        hub = self.hub
+        url_path, auth = self._record()
         if hub.token is not None and auth != f"Bearer {hub.token}":
             return self._error(401, "RepoNotFound", "Repository not found or invalid credentials.")
         m = _RESOLVE.match(url_path)
@@ -213,6 +255,189 @@ class _Handler(BaseHTTPRequestHandler):
                 self.connection.shutdown(socket.SHUT_RDWR)
             return
         self.wfile.write(body)
+
+    # ---- uploads ---------------------------------------------------------------------------
+
+    def _body(self) -> bytes:
+        """The request body, sent with a Content-Length or in chunks."""
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            parts = []
+            while True:
+                size = int(self.rfile.readline().split(b";", 1)[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers
+                        pass
+                    return b"".join(parts)
+                parts.append(self.rfile.read(size))
+                self.rfile.readline()  # the CRLF after each chunk
+        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+    def _json(self, status: int, obj) -> None:
+        body = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _may_write(self, auth: str | None, repo: str | None = None) -> bool:
+        """Answer 401 (no or wrong token) or 403 (a refused namespace) and return False, or True."""
+        hub = self.hub
+        if (
+            auth is None
+            or not auth.startswith("Bearer ")
+            or (hub.token is not None and auth != f"Bearer {hub.token}")
+        ):
+            self._error(401, "Unauthorized", "Invalid username or password.")
+            return False
+        if repo is not None and repo.split("/")[0] in hub.refused_namespaces:
+            self._error(
+                403,
+                "Forbidden",
+                f"You don't have the rights to create a model under the namespace {repo.split('/')[0]}",
+            )
+            return False
+        return True
+
+    def _repo_dir(self, repo: str) -> Path | None:
+        parts = repo.split("/")
+        if len(parts) != 2 or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
+            return None
+        return self.hub.root / repo
+
+    def do_PUT(self):
+        url_path, auth = self._record()
+        data = self._body()
+        m = _LFS_UPLOAD.match(url_path)
+        if not m:
+            return self._error(404, "EntryNotFound", "Unknown endpoint.")
+        if hashlib.sha256(data).hexdigest() != m["oid"]:
+            return self._error(400, "BadRequest", "The uploaded bytes do not match their SHA-256.")
+        store = self.hub.lfs_store()
+        (store / m["oid"]).write_bytes(data)
+        self._json(200, {})
+
+    def do_POST(self):
+        hub = self.hub
+        url_path, auth = self._record()
+        data = self._body()
+        if url_path == "/api/validate-yaml":
+            return self._validate_yaml(data)
+        if url_path == "/api/repos/create":
+            if not self._may_write(auth):
+                return
+            request = json.loads(data or b"{}")
+            repo = f"{request.get('organization') or LOCAL_USER}/{request.get('name')}"
+            repo_dir = self._repo_dir(repo)
+            if repo_dir is None:
+                return self._error(400, "BadRequest", f"Invalid repository name {repo!r}.")
+            if not self._may_write(auth, repo):
+                return
+            if repo_dir.is_dir():  # the Hub's conflict answer names the repository's URL too
+                return self._json(
+                    409, {"error": "You already created this model repo", "url": f"{hub.endpoint}/{repo}"}
+                )
+            (repo_dir / "main").mkdir(parents=True)
+            hub.repos[repo] = {
+                "private": request.get("visibility") == "private" or bool(request.get("private"))
+            }
+            return self._json(200, {"url": f"{hub.endpoint}/{repo}", "name": repo})
+        m = _LFS_BATCH.match(url_path)
+        if m:
+            if not self._may_write(auth, unquote(m["repo"])):
+                return
+            request = json.loads(data)
+            store = hub.lfs_store()
+            objects = []
+            for obj in request.get("objects", []):
+                entry = {"oid": obj["oid"], "size": obj["size"], "authenticated": True}
+                if not (store / obj["oid"]).is_file():
+                    entry["actions"] = {"upload": {"href": f"{hub.endpoint}/lfs-upload/{obj['oid']}"}}
+                objects.append(entry)
+            return self._json(200, {"transfer": "basic", "objects": objects})
+        m = _REPO_API.match(url_path)
+        if not m:
+            return self._error(404, "EntryNotFound", "Unknown endpoint.")
+        repo, action, rev = unquote(m["repo"]), m["action"], unquote(m["rev"])
+        repo_dir = self._repo_dir(repo)
+        if repo_dir is None or not repo_dir.is_dir():
+            return self._error(404, "RepoNotFound", "Repository not found.")
+        if not self._may_write(auth, repo):
+            return
+        if ".." in rev.split("/"):
+            return self._error(400, "BadRequest", f"Invalid rev id: {rev}")
+        if action == "branch":
+            if (repo_dir / rev).is_dir():
+                return self._error(409, "Conflict", f"Reference already exists: refs/heads/{rev}")
+            shutil.copytree(repo_dir / "main", repo_dir / rev)
+            return self._json(200, {})
+        if not (repo_dir / rev).is_dir():
+            return self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
+        if action == "preupload":
+            files = json.loads(data)["files"]
+            return self._json(
+                200,
+                {
+                    "files": [
+                        {
+                            "path": f["path"],
+                            "uploadMode": "lfs"
+                            if f["path"].endswith(".safetensors") or f["size"] > hub.lfs_threshold
+                            else "regular",
+                            "shouldIgnore": False,
+                        }
+                        for f in files
+                    ]
+                },
+            )
+        return self._commit(repo, repo_dir / rev, rev, data)
+
+    def _validate_yaml(self, data: bytes) -> None:
+        import yaml
+
+        content = json.loads(data).get("content", "")
+        match = re.match(r"^---\n(.*?)\n---\n", content, re.S)
+        try:
+            meta = yaml.safe_load(match.group(1)) if match else {}
+        except yaml.YAMLError as exc:
+            return self._error(400, "BadRequest", f"Invalid metadata in README.md: {exc}")
+        if meta is not None and not isinstance(meta, dict):
+            return self._error(400, "BadRequest", "Invalid metadata in README.md: not a mapping")
+        self._json(200, {"errors": [], "warnings": []})
+
+    def _commit(self, repo: str, rev_dir: Path, rev: str, data: bytes) -> None:
+        """Apply an ndjson commit: every file is checked before any is written."""
+        hub = self.hub
+        lines = [json.loads(line) for line in data.splitlines() if line.strip()]
+        if not lines or lines[0].get("key") != "header":
+            return self._error(400, "BadRequest", "The commit has no header.")
+        summary = lines[0]["value"].get("summary", "")
+        staged: dict[str, bytes] = {}
+        for line in lines[1:]:
+            key, value = line.get("key"), line.get("value", {})
+            path = value.get("path", "")
+            if not path or path.startswith("/") or ".." in path.split("/"):
+                return self._error(400, "BadRequest", f"Invalid path {path!r}.")
+            if key == "file":
+                staged[path] = base64.b64decode(value["content"])
+            elif key == "lfsFile":
+                blob = hub.lfs_store() / value["oid"]
+                if not blob.is_file():
+                    return self._error(
+                        422, "BadRequest", f"LFS object {value['oid']} was never uploaded ({path})."
+                    )
+                staged[path] = blob.read_bytes()
+                if len(staged[path]) != value.get("size", len(staged[path])):
+                    return self._error(422, "BadRequest", f"{path}: size does not match its LFS object.")
+            else:
+                return self._error(400, "BadRequest", f"Unsupported commit operation {key!r}.")
+        for path, content in staged.items():
+            hub.add_file(repo, rev, path, content)
+        oid = hashlib.sha1(data).hexdigest()
+        hub.commits.append(SeenCommit(repo, rev, summary, sorted(staged)))
+        self._json(
+            200, {"commitUrl": f"{hub.endpoint}/{repo}/commit/{oid}", "commitOid": oid, "success": True}
+        )
 
 
 #: Repositories of the synthetic model ``add_synthetic_model`` serves (revisions are full commit hashes).

@@ -19,7 +19,7 @@ def _steps(run_dir: Path, split: str = "train") -> list[int]:
 
 
 @pytest.mark.slow
-def test_quickstart_runs_the_whole_workflow(tmp_path):
+def test_quickstart_runs_the_whole_workflow(tmp_path, push_hub):
     result = CliRunner().invoke(
         app, ["quickstart", "--workdir", str(tmp_path), "--steps", "4", "--no-probes", "--json"]
     )
@@ -58,6 +58,30 @@ def test_quickstart_runs_the_whole_workflow(tmp_path):
     assert (Path(lora["merged"]) / "model.safetensors.index.json").is_file()
     assert _steps(Path(lora["resumed"])) == [3, 4]
     assert lora["max_logit_diff"] < 0.05  # the merged weights are rounded to the base's bf16
+
+    # The trained run and the LoRA run published to the local Hub: the cards read the real run records.
+    cards = {}
+    for repo, args in (
+        ("me/tiny-ft", ["--dcp-dir", str(train / "checkpoints"), "--model-dir", str(tmp_path / "model")]),
+        ("me/tiny-lora", ["--dcp-dir", str(Path(lora["run"]) / "checkpoints"), "--lora", "adapters"]),
+    ):
+        out = tmp_path / repo.split("/")[1]
+        pushed = CliRunner().invoke(
+            app, ["convert", "dcp-to-hf", *args, "--out-dir", str(out), "--push-to-hub", repo]
+        )
+        assert pushed.exit_code == 0, pushed.output
+        arrived = push_hub.root / repo / "main"
+        assert {p.name: p.read_bytes() for p in arrived.iterdir()} == {
+            p.name: p.read_bytes() for p in out.iterdir()
+        }
+        cards[repo] = card = (arrived / "README.md").read_text()
+        assert "exported from step 4 of a fine-tuning run" in card and "| training loss |" in card
+        assert "dataset SHA-256" in card and "train_iters: 4" in card
+    assert "| validation loss |" in cards["me/tiny-ft"]  # the 8-sample split, evaluated at step 4
+    assert (
+        cards["me/tiny-lora"].startswith("---\nlibrary_name: peft\n")
+        and "| LoRA r / alpha |" in cards["me/tiny-lora"]
+    )
 
     # A second quickstart in the same workdir reuses the model, the data and the preprocessing cache.
     # Its first steps are what decides that, so they run alone (the rest is the run above again).
