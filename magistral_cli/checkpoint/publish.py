@@ -236,6 +236,10 @@ def model_card(
     from magistral_cli import __version__
 
     records = read_run_records(checkpoint) if checkpoint is not None else RunRecords()
+
+    def missing(why: str) -> str:
+        return why if records.run_dir is not None else "no run records beside the checkpoint"
+
     base_repo, base_revision = base_model_repo(base_dir)
     meta: dict[str, Any] = {}
     if base_repo:
@@ -247,9 +251,9 @@ def model_card(
 
     lines += [f"# {repo_id.split('/')[-1]}", ""]
     what = EXPORT_KINDS.get(kind, kind)
-    source = f"step {records.step}" if records.step is not None else "a DCP checkpoint"
+    source = f"step {records.step} of a fine-tuning run" if records.step is not None else "a DCP checkpoint"
     lines += [
-        f"This repository holds {what}, exported from {source} of a fine-tuning run and published with "
+        f"This repository holds {what}, exported from {source} and published with "
         f"magistral-cli {__version__} (`magistral convert dcp-to-hf --push-to-hub`).",
         "",
         "## Base model",
@@ -279,7 +283,7 @@ def model_card(
             if basic.get(key) is not None:
                 lines.append(f"- {key}: `{basic[key]}`")
     else:
-        lines.append("- not recorded (no run records beside the checkpoint)")
+        lines.append(f"- not recorded ({missing('no dataset in the run records')})")
     lines.append("")
 
     lines += ["## Training recipe", ""]
@@ -316,7 +320,7 @@ def model_card(
             "</details>",
         ]
     else:
-        lines.append("- not recorded (no resolved_config.yaml beside the checkpoint)")
+        lines.append(f"- not recorded ({missing('the run directory has no resolved_config.yaml')})")
     lines.append("")
 
     lines += ["## Metrics", ""]
@@ -342,7 +346,7 @@ def model_card(
         if summary.get("skipped_steps"):
             lines.append(f"| skipped (non-finite) steps | {summary['skipped_steps']} |")
     else:
-        lines.append("- not recorded (no metrics.jsonl beside the checkpoint)")
+        lines.append(f"- not recorded ({missing('no metrics.jsonl lines up to this step')})")
     lines.append("")
 
     lines += ["## Files", "", "| file | bytes |", "| --- | --- |"]
