@@ -441,12 +441,13 @@ def export_lora_merged_native(
     targets = set(ck.targets)
     trained_full = {k for k in ck.tensors if k.rsplit(".", 1)[0] in set(ck.modules_to_save)}
     counts = {"merged": 0, "replaced": 0}
+    scaling = lora_spec(ck)[0].scaling  # alpha / r: config.schema.LoraConfig.scaling
 
     def replace(key: str, read):
         module = key.rsplit(".", 1)[0]
         if key.endswith(".weight") and module in targets:
             counts["merged"] += 1
-            return merged_weight(read(), *ck.lora_pair(module), ck.scaling)
+            return merged_weight(read(), *ck.lora_pair(module), scaling)
         if key in trained_full:
             counts["replaced"] += 1
             return ck.tensors[key].to(read().dtype).contiguous()
