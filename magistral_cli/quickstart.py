@@ -3,19 +3,24 @@
 Steps, each with the real component (no network, no accelerator):
 
 1. assets    a tiny Mistral3 in the official HF layout (two shards and an index), the real Tekken
-             tokenizer from mistral-common's package data, a synthetic LLaVA dataset (PIL images)
+             tokenizer from mistral-common's package data as v13 (Magistral's version, [THINK] /
+             [/THINK] among its control tokens), a synthetic LLaVA dataset (PIL images; every
+             fourth row with a ``reasoning_content``)
 2. convert   HF -> DCP (fsdp2 layout) and key/shape validation against config.json
-3. preprocess  the dataset into the fingerprinted cache (a second quickstart reuses it)
+3. preprocess  the dataset into the fingerprinted cache (a second quickstart reuses it); the
+             reasoning is encoded between the [THINK] / [/THINK] control ids and trained on
 4. train     ``magistral train recipes/tiny/tiny_cpu.yaml`` with 2 CPU processes under torchrun,
              checkpointing half-way and at the end
 5. resume    a second launch continues from the half-way checkpoint; its losses must equal the
              first run's step for step (fp32 on the CPU)
 6. optimized the same steps with the optimization recipe (chunked loss, recompute, prefetch, GC freeze)
 7. export    the final checkpoint -> HF safetensors, loaded back with transformers
-8. lora      ``recipes/tiny/tiny_cpu_lora.yaml``: PEFT LoRA adapters on the frozen base, a resumed
+8. native    the final checkpoint -> Mistral's native layout (consolidated.safetensors, params.json,
+             tekken.json), read back through ``training.load``'s reader: the HF export's logits
+9. lora      ``recipes/tiny/tiny_cpu_lora.yaml``: PEFT LoRA adapters on the frozen base, a resumed
              second launch with the same losses, the adapters exported as PEFT files and as merged
              HF weights, both loaded back (peft, transformers) with the same logits
-9. probe / compare  ``magistral probe all`` and ``magistral compare`` of the plain and optimized runs
+10. compare / probe  ``magistral compare`` of the plain and optimized runs, ``magistral probe all``
 
 Each step is a function (``step_assets`` ... ``step_probe``) of one ``QuickstartContext`` that
 returns its ``StepRecord``; ``run_quickstart`` runs ``STEPS`` in order.
@@ -47,6 +52,12 @@ LORA_RECIPE = "tiny_cpu_lora.yaml"
 QUICKSTART_VAL_SIZE = 8
 #: Small images keep the quickstart fast: 2x2 to 5x4 image tokens each.
 QUICKSTART_IMAGE_SIZES = [(56, 56), (84, 112), (112, 84), (140, 112), (56, 140)]
+#: Magistral's tokenizer version: the first with [THINK] / [/THINK] control tokens.
+QUICKSTART_TEKKEN_VERSION = "v13"
+#: Every fourth synthetic row carries its reasoning in ``reasoning_content``.
+QUICKSTART_REASONING_EVERY = 4
+#: The largest logit difference allowed between the native export read back and the HF export (fp32).
+NATIVE_LOGIT_TOLERANCE = 1e-5
 
 
 @dataclass
@@ -102,7 +113,11 @@ def _losses(run_dir: Path, split: str = "train") -> dict[int, float]:
 
 
 def write_assets(workdir: Path, samples: int) -> dict[str, Path]:
-    """The tiny model (official layout), its tokenizer files and the synthetic dataset."""
+    """The tiny model (official layout), its tokenizer files and the synthetic dataset.
+
+    A workdir of a quickstart from before reasoning traces (a dataset without ``reasoning_content``)
+    gets the v13 tokenizer and the dataset again; the weights are kept.
+    """
     from magistral_cli.checkpoint.hf import WEIGHT_INDEX
     from magistral_cli.testing.tiny_data import write_synthetic_llava_dataset, write_tiny_tokenizer_files
     from magistral_cli.testing.tiny_model import build_tiny_model, save_official_checkpoint
@@ -115,11 +130,20 @@ def write_assets(workdir: Path, samples: int) -> dict[str, Path]:
 
             shutil.rmtree(staging)
         save_official_checkpoint(build_tiny_model(seed=0), staging, num_shards=2)
-        write_tiny_tokenizer_files(staging)
+        write_tiny_tokenizer_files(staging, version=QUICKSTART_TEKKEN_VERSION)
         staging.rename(model_dir)
     dataset = data_dir / "data.jsonl"
-    if not dataset.is_file():
-        write_synthetic_llava_dataset(data_dir, samples, seed=0, image_sizes=QUICKSTART_IMAGE_SIZES)
+    stale = dataset.is_file() and '"reasoning_content"' not in dataset.read_text(encoding="utf-8")
+    if stale:  # reasoning needs v13's [THINK] / [/THINK]: the tokenizer goes with the dataset
+        write_tiny_tokenizer_files(model_dir, version=QUICKSTART_TEKKEN_VERSION)
+    if stale or not dataset.is_file():
+        write_synthetic_llava_dataset(
+            data_dir,
+            samples,
+            seed=0,
+            image_sizes=QUICKSTART_IMAGE_SIZES,
+            reasoning_every=QUICKSTART_REASONING_EVERY,
+        )
     return {"model": model_dir, "data_dir": data_dir, "dataset": dataset, "cache": workdir / "cache"}
 
 
@@ -142,6 +166,8 @@ class QuickstartContext:
     losses: dict[int, float] = field(default_factory=dict)
     #: The HF export of the first run's final checkpoint (export).
     export: Path | None = None
+    #: The same checkpoint in Mistral's native layout (native).
+    native: Path | None = None
     #: compare_runs of the plain and optimized runs (compare).
     comparison: Any = None
     #: ``magistral probe all``'s results as JSON (probe).
@@ -151,6 +177,11 @@ class QuickstartContext:
     def half(self) -> int:
         """The step of the half-way checkpoint that the resumed runs start from."""
         return self.options.steps // 2
+
+    @property
+    def final_checkpoint(self) -> Path:
+        """The first run's last checkpoint, the one the exports write out."""
+        return self.runs["train"] / "checkpoints" / step_dir_name(self.options.steps)
 
 
 def _record(name: str, t0: float, detail: str, **data: Any) -> StepRecord:
@@ -206,12 +237,16 @@ def step_preprocess(ctx: QuickstartContext) -> StepRecord:
     ]
     t0 = time.monotonic()
     result = run_preprocess(load_recipe(recipe_path(PLAIN_RECIPE), ctx.base))
+    reasoning = result.report["reasoning"]
+    row = _check_reasoning_sample(ctx.assets, result.dataset)
     return _record(
         "preprocess",
         t0,
-        f"{result.report['kept']} samples kept, {result.report['dropped']} dropped, cache "
-        f"{'reused' if result.reused else 'written'}: {result.dataset.path}",
+        f"{result.report['kept']} samples kept, {result.report['dropped']} dropped, "
+        f"{reasoning['samples']} with reasoning (row {row}: [THINK] ... [/THINK] as control ids, "
+        f"trained on), cache {'reused' if result.reused else 'written'}: {result.dataset.path}",
         kept=result.report["kept"],
+        reasoning_samples=reasoning["samples"],
         cache_reused=result.reused,
     )
 
@@ -285,18 +320,33 @@ def step_export(ctx: QuickstartContext) -> StepRecord:
     ctx.export = export = ctx.out / "export"
     from magistral_cli.checkpoint.dcp_to_hf import export_dcp_to_hf
 
-    export_dcp_to_hf(
-        ctx.runs["train"] / "checkpoints" / step_dir_name(ctx.options.steps),
-        ctx.assets["model"],
-        export,
-        layout="official",
-    )
+    export_dcp_to_hf(ctx.final_checkpoint, ctx.assets["model"], export, layout="official")
     changed = _check_export(ctx.assets["model"], export)
     return _record("export", t0, f"HF checkpoint {export} loads with transformers; {changed}")
 
 
+def step_native(ctx: QuickstartContext) -> StepRecord:
+    """8. The same checkpoint in Mistral's native layout, read back through ``training.load``'s reader."""
+    from magistral_cli.checkpoint.dcp_to_hf import export_dcp_to_hf
+
+    t0 = time.monotonic()
+    ctx.native = native = ctx.out / "native"
+    export_dcp_to_hf(ctx.final_checkpoint, ctx.assets["model"], native, format="mistral")
+    files = _check_native_files(ctx.assets["model"], native)
+    diff = _check_native_export(ctx.export, native)
+    return _record(
+        "native",
+        t0,
+        f"Mistral's native layout in {native} ({', '.join(files)}), read back through training.load: "
+        f"logits within {diff:.1e} of the HF export's (fp32)",
+        native=str(native),
+        files=files,
+        max_logit_diff=diff,
+    )
+
+
 def step_lora(ctx: QuickstartContext) -> StepRecord:
-    """8. LoRA: train, resume in a second launch, export both ways, load both back."""
+    """9. LoRA: train, resume in a second launch, export both ways, load both back."""
     t0 = time.monotonic()
     steps, half = ctx.options.steps, ctx.half
     run, losses = _lora_train(ctx)
@@ -319,7 +369,7 @@ def step_lora(ctx: QuickstartContext) -> StepRecord:
 
 
 def step_compare(ctx: QuickstartContext) -> StepRecord:
-    """9. ``magistral compare`` of the plain and optimized runs (its verdict is checked at the end)."""
+    """10. ``magistral compare`` of the plain and optimized runs (its verdict is checked at the end)."""
     from magistral_cli.analysis.logs import read_run
     from magistral_cli.analysis.metrics import compare_runs
 
@@ -349,7 +399,7 @@ def step_compare(ctx: QuickstartContext) -> StepRecord:
 
 
 def step_probe(ctx: QuickstartContext) -> StepRecord:
-    """10. ``magistral probe all`` on the CPU (its verdicts are checked at the end)."""
+    """11. ``magistral probe all`` on the CPU (its verdicts are checked at the end)."""
     from magistral_cli.probes import run_all
 
     t0 = time.monotonic()
@@ -375,6 +425,7 @@ STEPS: list[Callable[[QuickstartContext], StepRecord]] = [
     step_resume,
     step_optimized,
     step_export,
+    step_native,
     step_lora,
     step_compare,
 ]
@@ -408,6 +459,7 @@ def run_quickstart(
     summary["pass"] = comparison.passed and not failed
     summary["runs"] = {name: str(run) for name, run in ctx.runs.items()}
     summary["export"] = str(ctx.export)
+    summary["native"] = str(ctx.native)
     if not comparison.passed:
         raise CheckFailed(
             f"magistral compare of the plain and optimized runs failed: {comparison.report['failures']}"
@@ -560,3 +612,96 @@ def _check_export(model_dir: Path, export: Path) -> str:
     return (
         f"{len(moved_trained)}/{len(trained)} trained tensors changed, {len(frozen)} frozen tensors unchanged"
     )
+
+
+def _check_reasoning_sample(assets: dict[str, Path], dataset) -> int:
+    """The first dataset row with ``reasoning_content`` is encoded in the cache with its reply's
+    reasoning between the [THINK] and [/THINK] ids that tekken.json lists as control tokens, trained
+    on (the tiny recipe keeps ``train_on_reasoning``'s default). Returns the row."""
+    from magistral_cli.data.tokenizer import THINK_TOKENS
+
+    rows = [json.loads(line) for line in assets["dataset"].read_text(encoding="utf-8").splitlines() if line]
+    row = next(
+        (i for i, record in enumerate(rows) if any("reasoning_content" in m for m in record["messages"])),
+        None,
+    )
+    if row is None:
+        raise CheckFailed(f"no row of {assets['dataset']} has a reasoning_content")
+    tekken = json.loads((assets["model"] / "tekken.json").read_text(encoding="utf-8"))
+    control = {t["token_str"]: t["rank"] for t in tekken.get("special_tokens", []) if t.get("is_control")}
+    if any(token not in control for token in THINK_TOKENS):
+        raise CheckFailed(
+            f"{assets['model'] / 'tekken.json'} has no {' / '.join(THINK_TOKENS)} control tokens"
+        )
+    begin, end = (control[token] for token in THINK_TOKENS)
+    sample = next((s for s in map(dataset.__getitem__, range(len(dataset))) if s.source_index == row), None)
+    if sample is None:
+        raise CheckFailed(
+            f"row {row} of {assets['dataset']} (with reasoning) is not in the cache {dataset.path}"
+        )
+    # The default system prompt (Magistral's reasoning instructions) holds the two control tokens
+    # too, untrained; the reply's reasoning is the one trained [THINK] ... [/THINK] pair.
+    trained = [
+        t for t, label in zip(sample.input_ids.tolist(), sample.labels.tolist(), strict=True) if label == t
+    ]
+    if [t for t in trained if t in (begin, end)] != [begin, end]:
+        raise CheckFailed(
+            f"row {row}'s reply is not encoded as [THINK] ({begin}) reasoning [/THINK] ({end}), trained on: "
+            f"its trained ids are {trained}"
+        )
+    return row
+
+
+def _check_native_files(model_dir: Path, native: Path) -> list[str]:
+    """The native export holds its weights, params.json and the base's tekken.json; returns their names."""
+    from magistral_cli.checkpoint.hf import TEKKEN
+    from magistral_cli.model_config import PARAMS_FILE
+
+    weights = sorted(p.name for p in native.glob("consolidated*.safetensors"))
+    missing = [name for name in (PARAMS_FILE, TEKKEN) if not (native / name).is_file()]
+    if not weights or missing:
+        raise CheckFailed(
+            f"the native export {native} lacks {', '.join(missing or ['consolidated*.safetensors'])}"
+        )
+    if (native / TEKKEN).read_bytes() != (model_dir / TEKKEN).read_bytes():
+        raise CheckFailed(f"the native export's {TEKKEN} is not the base's")
+    return [*weights, PARAMS_FILE, TEKKEN]
+
+
+def _check_native_export(hf_export: Path, native: Path) -> float:
+    """A model built from the native export's params.json and loaded through ``training.load``'s
+    reader (the rotary rows put back) gives the HF export's logits on a sample with an image, in
+    fp32. Returns the largest logit difference."""
+    import torch
+    from transformers import Mistral3ForConditionalGeneration
+    from transformers.utils import logging as hf_logging
+
+    from magistral_cli.engine.weights import load_weights
+    from magistral_cli.model_config import read_model_config
+    from magistral_cli.testing.tiny_model import IMAGE_TOKEN_ID
+
+    hf_logging.disable_progress_bar()
+    reference = Mistral3ForConditionalGeneration.from_pretrained(
+        str(hf_export), config=read_model_config(hf_export), dtype=torch.float32
+    ).eval()
+    # Random weights of its own: a tensor the import left alone would show in the logits.
+    imported = Mistral3ForConditionalGeneration(read_model_config(native)).to(torch.float32).eval()
+    report = load_weights(imported, native, "auto", strict=True)
+    expected = len(reference.state_dict())
+    if report.fmt != "mistral" or report.loaded != expected:
+        raise CheckFailed(
+            f"training.load read {native} as {report.fmt} with {report.loaded} tensors, "
+            f"not as the native layout with {expected}"
+        )
+    # 56x56 pixels are 2x2 image tokens (patch 14, spatial merge 2).
+    ids = torch.tensor([[1, 3, *[IMAGE_TOKEN_ID] * 4, 1010, 1042, 4, 1050, 2]])
+    pixels = torch.rand(1, 3, 56, 56, generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "pixel_values": pixels, "image_sizes": torch.tensor([[56, 56]])}
+    with torch.no_grad():
+        diff = float((reference(**inputs).logits - imported(**inputs).logits).abs().max())
+    if not diff <= NATIVE_LOGIT_TOLERANCE:
+        raise CheckFailed(
+            f"the native export read back gives logits {diff:.2e} from the HF export's "
+            f"(tolerance {NATIVE_LOGIT_TOLERANCE:.0e}): the native names or rotary rows are wrong"
+        )
+    return diff

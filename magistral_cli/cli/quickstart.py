@@ -23,12 +23,16 @@ def quickstart(
     ] = True,
     json_out: Annotated[bool, json_option("the summary")] = False,
 ) -> None:
-    """Run fetch-free assets -> convert -> preprocess -> train -> resume -> export -> LoRA -> compare -> probe on the CPU."""
+    """Run fetch-free assets -> convert -> preprocess -> train -> resume -> export (HF and native) -> LoRA -> compare -> probe on the CPU."""
+    from rich.markup import escape
+
     from magistral_cli.quickstart import QuickstartOptions, StepRecord, run_quickstart
 
     def progress(step: StepRecord) -> None:
+        # A detail is plain text: [THINK] or a list in it is not rich markup.
         console.print(
-            f"[bold green]{step.name:>10}[/] [dim]{step.seconds:6.1f} s[/]  {step.detail}", soft_wrap=True
+            f"[bold green]{step.name:>10}[/] [dim]{step.seconds:6.1f} s[/]  {escape(step.detail)}",
+            soft_wrap=True,
         )
 
     console.print(
@@ -44,6 +48,10 @@ def quickstart(
         console.print(f"  {name:<10} {path}  (metrics.jsonl, checkpoints/, logs/)", soft_wrap=True)
     console.print(
         f"  {'export':<10} {summary['export']}  (HF safetensors, loads with from_pretrained)", soft_wrap=True
+    )
+    console.print(
+        f"  {'native':<10} {summary['native']}  (Mistral's native layout, vLLM's --load-format mistral)",
+        soft_wrap=True,
     )
     console.print(
         f"Next: magistral compare {summary['runs']['train']} {summary['runs']['optimized']} --plot compare.png",

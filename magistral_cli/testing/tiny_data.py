@@ -124,11 +124,15 @@ def write_synthetic_llava_dataset(
     broken_rows: bool = False,
     seed: int = 0,
     image_sizes: list[tuple[int, int]] | None = None,
+    reasoning_every: int = 0,
 ) -> Path:
     """Write ``n_samples`` LLaVA-style records (JSON Lines) and their PNG/JPEG images.
 
     Images have varied sizes (some need resizing, a few are text-only samples, some samples
-    have two images or two turns). With ``broken_rows`` these rows are appended, one each:
+    have two images or two turns). With ``reasoning_every`` n > 0, every n-th row (rows n - 1,
+    2n - 1, ...) gives its last assistant message a ``reasoning_content`` (the layout most
+    reasoning datasets use); the other rows, and every row's images and text, stay as without it.
+    With ``broken_rows`` these rows are appended, one each:
     an invalid JSON line, a missing image, a placeholder/image count mismatch, an empty
     assistant turn, an unknown role, and an over-long sample whose image would be cut by a
     cutoff_len of 1024. Returns the path of ``data.jsonl``; image paths are relative to
@@ -194,6 +198,11 @@ def write_synthetic_llava_dataset(
                 ],
                 "images": [new_image()],
             }
+        if reasoning_every and i % reasoning_every == reasoning_every - 1:
+            # Not drawn from rng: the rows without reasoning stay what they are without the option.
+            record["messages"][-1]["reasoning_content"] = (
+                f"Row {i} asks for a short answer; the picture or the numbers decide it."
+            )
         lines.append(json.dumps(record))
 
     if broken_rows:

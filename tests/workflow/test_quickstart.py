@@ -1,4 +1,5 @@
-"""`magistral quickstart` end to end (short): assets, convert, preprocess, train, resume, export, compare."""
+"""`magistral quickstart` end to end (short): assets, convert, preprocess, train, resume, export, native,
+LoRA, compare."""
 
 from __future__ import annotations
 
@@ -10,7 +11,16 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from magistral_cli.cli.main import app
-from magistral_cli.quickstart import QuickstartContext, QuickstartOptions, step_assets, step_preprocess
+from magistral_cli.quickstart import (
+    NATIVE_LOGIT_TOLERANCE,
+    QUICKSTART_IMAGE_SIZES,
+    QUICKSTART_REASONING_EVERY,
+    QuickstartContext,
+    QuickstartOptions,
+    step_assets,
+    step_preprocess,
+)
+from magistral_cli.testing.tiny_data import write_synthetic_llava_dataset, write_tiny_tokenizer_files
 
 
 def _steps(run_dir: Path, split: str = "train") -> list[int]:
@@ -34,6 +44,7 @@ def test_quickstart_runs_the_whole_workflow(tmp_path, push_hub):
         "resume",
         "optimized",
         "export",
+        "native",
         "lora",
         "compare",
     ]
@@ -42,6 +53,8 @@ def test_quickstart_runs_the_whole_workflow(tmp_path, push_hub):
     assert by_name["compare"]["verdict"] == "PASS"
     assert by_name["compare"]["normalized_mean_abs_diff"] < 0.02
     assert by_name["preprocess"]["kept"] > 0 and by_name["preprocess"]["cache_reused"] is False
+    # Every fourth of the 64 rows has a reasoning_content; the step checked one sample's [THINK] ids.
+    assert by_name["preprocess"]["reasoning_samples"] == 64 // QUICKSTART_REASONING_EVERY
     train = Path(summary["runs"]["train"])
     assert (train / "checkpoints" / "latest").read_text().strip().endswith("step_4")
     resumed = _steps(Path(summary["runs"]["resumed"]))
@@ -52,6 +65,10 @@ def test_quickstart_runs_the_whole_workflow(tmp_path, push_hub):
     assert by_name["compare"]["validation_steps"] == [2, 4]
     assert Path(by_name["compare"]["plot"]).stat().st_size > 0
     assert (Path(summary["export"]) / "model.safetensors.index.json").is_file()
+    native = by_name["native"]
+    assert native["files"] == ["consolidated.safetensors", "params.json", "tekken.json"]
+    assert sorted(p.name for p in Path(summary["native"]).iterdir()) == native["files"]
+    assert 0 <= native["max_logit_diff"] <= NATIVE_LOGIT_TOLERANCE
     lora = by_name["lora"]
     assert (Path(lora["adapters"]) / "adapter_model.safetensors").is_file()
     assert (Path(lora["adapters"]) / "adapter_config.json").is_file()
@@ -85,8 +102,13 @@ def test_quickstart_runs_the_whole_workflow(tmp_path, push_hub):
 
     # A second quickstart in the same workdir reuses the model, the data and the preprocessing cache.
     # Its first steps are what decides that, so they run alone (the rest is the run above again).
+    # The workdir is made to look like one of a quickstart from before reasoning traces (a v7
+    # tokenizer, no reasoning_content): the assets step writes both again, as the first run had them.
     model_index = tmp_path / "model" / "model.safetensors.index.json"
     before = model_index.stat().st_mtime_ns
+    tekken = (tmp_path / "model" / "tekken.json").read_bytes()
+    write_tiny_tokenizer_files(tmp_path / "model", version="v7")
+    write_synthetic_llava_dataset(tmp_path / "data", 64, seed=0, image_sizes=QUICKSTART_IMAGE_SIZES)
     ctx = QuickstartContext(
         options=QuickstartOptions(workdir=tmp_path, steps=2, probes=False),
         console=Console(quiet=True),
@@ -95,5 +117,7 @@ def test_quickstart_runs_the_whole_workflow(tmp_path, push_hub):
     )
     assert step_assets(ctx).name == "assets"
     assert model_index.stat().st_mtime_ns == before
+    assert (tmp_path / "model" / "tekken.json").read_bytes() == tekken
     again = step_preprocess(ctx)
     assert again.data["cache_reused"] is True and again.data["kept"] == by_name["preprocess"]["kept"]
+    assert again.data["reasoning_samples"] == by_name["preprocess"]["reasoning_samples"]
