@@ -166,6 +166,8 @@ class QuickstartContext:
     losses: dict[int, float] = field(default_factory=dict)
     #: The HF export of the first run's final checkpoint (export).
     export: Path | None = None
+    #: The HF export's fp32 logits on ``_logit_inputs()`` (export), what the native export must give.
+    export_logits: Any = None
     #: The same checkpoint in Mistral's native layout (native).
     native: Path | None = None
     #: compare_runs of the plain and optimized runs (compare).
@@ -321,7 +323,7 @@ def step_export(ctx: QuickstartContext) -> StepRecord:
     from magistral_cli.checkpoint.dcp_to_hf import export_dcp_to_hf
 
     export_dcp_to_hf(ctx.final_checkpoint, ctx.assets["model"], export, layout="official")
-    changed = _check_export(ctx.assets["model"], export)
+    changed, ctx.export_logits = _check_export(ctx.assets["model"], export)
     return _record("export", t0, f"HF checkpoint {export} loads with transformers; {changed}")
 
 
@@ -333,7 +335,7 @@ def step_native(ctx: QuickstartContext) -> StepRecord:
     ctx.native = native = ctx.out / "native"
     export_dcp_to_hf(ctx.final_checkpoint, ctx.assets["model"], native, format="mistral")
     files = _check_native_files(ctx.assets["model"], native)
-    diff = _check_native_export(ctx.export, native)
+    diff = _check_native_export(native, ctx.export_logits)
     return _record(
         "native",
         t0,
@@ -576,8 +578,23 @@ def _check_lora_exports(model_dir: Path, adapters: Path, merged: Path) -> float:
     return float((peft_logits - merged_logits).abs().max())
 
 
-def _check_export(model_dir: Path, export: Path) -> str:
-    """Load the export with transformers; the trained weights changed and the frozen ones did not."""
+def _logit_inputs() -> dict:
+    """A small sample with an image, whose logits the exports must agree on (the image makes the
+    vision tower's weights count): 56x56 pixels are 2x2 image tokens (patch 14, spatial merge 2)."""
+    import torch
+
+    from magistral_cli.testing.tiny_model import IMAGE_TOKEN_ID
+
+    return {
+        "input_ids": torch.tensor([[1, 3, *[IMAGE_TOKEN_ID] * 4, 1010, 1042, 4, 1050, 2]]),
+        "pixel_values": torch.rand(1, 3, 56, 56, generator=torch.Generator().manual_seed(0)),
+        "image_sizes": torch.tensor([[56, 56]]),
+    }
+
+
+def _check_export(model_dir: Path, export: Path):
+    """Load the export with transformers; the trained weights changed and the frozen ones did not.
+    Returns what it found, and the export's fp32 logits on ``_logit_inputs()``."""
     import torch
     from transformers import Mistral3ForConditionalGeneration
     from transformers.utils import logging as hf_logging
@@ -604,13 +621,13 @@ def _check_export(model_dir: Path, export: Path) -> str:
         raise CheckFailed(f"frozen weights changed in training: {moved_frozen[:5]}")
     if not moved_trained:
         raise CheckFailed("no trained weight changed: the export does not hold the trained model")
-    ids = torch.tensor([[1, 3, 1010, 1042, 4, 1050, 2]])
     with torch.no_grad():
-        logits = after(input_ids=ids).logits
+        logits = after.eval()(**_logit_inputs()).logits
     if not torch.isfinite(logits).all():
         raise CheckFailed("the exported model gives non-finite logits")
     return (
-        f"{len(moved_trained)}/{len(trained)} trained tensors changed, {len(frozen)} frozen tensors unchanged"
+        f"{len(moved_trained)}/{len(trained)} trained tensors changed, {len(frozen)} frozen tensors unchanged",
+        logits,
     )
 
 
@@ -668,37 +685,27 @@ def _check_native_files(model_dir: Path, native: Path) -> list[str]:
     return [*weights, PARAMS_FILE, TEKKEN]
 
 
-def _check_native_export(hf_export: Path, native: Path) -> float:
+def _check_native_export(native: Path, expected) -> float:
     """A model built from the native export's params.json and loaded through ``training.load``'s
-    reader (the rotary rows put back) gives the HF export's logits on a sample with an image, in
-    fp32. Returns the largest logit difference."""
+    reader (the rotary rows put back) gives ``expected``, the HF export's fp32 logits on
+    ``_logit_inputs()``. Returns the largest logit difference."""
     import torch
     from transformers import Mistral3ForConditionalGeneration
-    from transformers.utils import logging as hf_logging
 
     from magistral_cli.engine.weights import load_weights
     from magistral_cli.model_config import read_model_config
-    from magistral_cli.testing.tiny_model import IMAGE_TOKEN_ID
 
-    hf_logging.disable_progress_bar()
-    reference = Mistral3ForConditionalGeneration.from_pretrained(
-        str(hf_export), config=read_model_config(hf_export), dtype=torch.float32
-    ).eval()
     # Random weights of its own: a tensor the import left alone would show in the logits.
     imported = Mistral3ForConditionalGeneration(read_model_config(native)).to(torch.float32).eval()
     report = load_weights(imported, native, "auto", strict=True)
-    expected = len(reference.state_dict())
-    if report.fmt != "mistral" or report.loaded != expected:
+    tensors = len(imported.state_dict())
+    if report.fmt != "mistral" or report.loaded != tensors:
         raise CheckFailed(
             f"training.load read {native} as {report.fmt} with {report.loaded} tensors, "
-            f"not as the native layout with {expected}"
+            f"not as the native layout with {tensors}"
         )
-    # 56x56 pixels are 2x2 image tokens (patch 14, spatial merge 2).
-    ids = torch.tensor([[1, 3, *[IMAGE_TOKEN_ID] * 4, 1010, 1042, 4, 1050, 2]])
-    pixels = torch.rand(1, 3, 56, 56, generator=torch.Generator().manual_seed(0))
-    inputs = {"input_ids": ids, "pixel_values": pixels, "image_sizes": torch.tensor([[56, 56]])}
     with torch.no_grad():
-        diff = float((reference(**inputs).logits - imported(**inputs).logits).abs().max())
+        diff = float((imported(**_logit_inputs()).logits - expected).abs().max())
     if not diff <= NATIVE_LOGIT_TOLERANCE:
         raise CheckFailed(
             f"the native export read back gives logits {diff:.2e} from the HF export's "
