@@ -6,15 +6,20 @@ Writes a Mistral3 checkpoint in the official layout (config.json, shards, index;
 bytes) whose shapes are a scaled-down Magistral (hidden 2048, as many decoder layers as the
 size asks for), then, in the same run and on the same disk, for each repeat:
 
-* copies the shards with ``shutil.copyfile``, and runs ``hf-to-dcp`` (fsdp2 layout) and
-  ``dcp-to-hf`` in fresh child processes, each reporting its peak resident memory and the wall
-  time of the conversion call;
+* copies the shards with ``shutil.copyfile``, and runs ``hf-to-dcp`` (fsdp2 layout),
+  ``dcp-to-hf`` (official layout) and ``dcp-to-hf --format mistral`` (the native layout: the query
+  and key rows go through memory to be put in rotary order, the rest is copied) in fresh child
+  processes, each reporting its peak resident memory and the wall time of the conversion call;
 * does the same again with an fsync of every written file (``--fsync``), against a copy that
   fsyncs each file too.
 
 It prints peak RSS against the budget "largest shard + 512 MiB", and conversion throughput as
 a ratio of the plain copy's. The child's RSS includes the Python, torch and transformers
 imports (reported separately as the import baseline).
+
+``--baseline DIR`` (a directory holding another commit's ``magistral_cli``, e.g. from
+``git archive``) runs both exports with that code too, interleaved with the current code's runs,
+so a change is measured before and after under the same load.
 """
 
 from __future__ import annotations
@@ -59,15 +64,18 @@ if mode == "hf-to-dcp":
     convert_hf_to_dcp(a, b, "fsdp2", fsync=fsync)
 elif mode == "dcp-to-hf":
     export_dcp_to_hf(a, b, c, fsync=fsync)
+elif mode == "dcp-to-native":
+    export_dcp_to_hf(a, b, c, fsync=fsync, format="mistral")
 seconds = time.perf_counter() - t
 print(json.dumps({"seconds": seconds, "imports_rss": imports_rss, "work_peak_rss": status("VmHWM"),
                   "process_peak_rss": max(imports_peak, status("VmHWM"))}))
 """
 
 
-def _child(mode: str, *args: str) -> dict:
+def _child(mode: str, *args: str, code: Path = REPO) -> dict:
+    """Run one conversion in a fresh process with the ``magistral_cli`` found in ``code``."""
     os.sync()  # start every measurement without a backlog of dirty pages from the previous one
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=str(code) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run(
         [sys.executable, "-c", CHILD, mode, *args],
         capture_output=True,
@@ -114,6 +122,8 @@ def write_synthetic_checkpoint(directory: Path, size_bytes: int, shard_bytes: in
     config_dict["dtype"] = "bfloat16"
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(config_dict, indent=2))
+    # The native export ships the base's tokenizer file with the weights: a stand-in will do.
+    (directory / "tekken.json").write_text(json.dumps({"config": {"pattern": "synthetic"}, "vocab": []}))
     with torch.device("meta"):
         model = Mistral3ForConditionalGeneration(apply_tying_rule(Mistral3Config.from_dict(config_dict)))
     shapes = [(transformers_to_official_key(k), tuple(v.shape)) for k, v in model.state_dict().items()]
@@ -169,6 +179,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="Alternating repeats; medians are printed.")
     parser.add_argument("--work-dir", type=Path, default=None, help="Where to write (default: a temp dir).")
     parser.add_argument("--keep", action="store_true", help="Keep the files.")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="A directory holding another commit's magistral_cli: its exports run too, interleaved.",
+    )
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="convert-bench-", dir=args.work_dir))
@@ -181,9 +197,19 @@ def main() -> None:
             f"written in {time.perf_counter() - t:.0f} s",
             flush=True,
         )
-        keys = ("copy", "hf2dcp", "dcp2hf", "copy_fsync", "hf2dcp_fsync", "dcp2hf_fsync")
-        rows: dict[str, list[float]] = {k: [] for k in keys}
-        mem: dict[str, list[dict]] = {k: [] for k in keys if not k.startswith("copy")}
+        exports = (
+            ("dcp2hf", "dcp-to-hf", "dcp-to-hf (official)"),
+            ("native", "dcp-to-native", "dcp-to-hf --format mistral"),
+        )
+        codes = [("", REPO)] + ([("_base", args.baseline.resolve())] if args.baseline else [])
+        names = [("shutil.copyfile", "copy"), ("hf-to-dcp (fsdp2)", "hf2dcp")]
+        names += [
+            (label + (" [baseline]" if tag else ""), key + tag)
+            for key, _, label in exports
+            for tag, _ in codes
+        ]
+        rows: dict[str, list[float]] = {key + sync: [] for _, key in names for sync in ("", "_fsync")}
+        mem: dict[str, list[dict]] = {k: [] for k in rows if not k.startswith("copy")}
         for r in range(args.repeats):
             for sync in ("", "_fsync"):
                 flag = "fsync" if sync else "-"
@@ -194,28 +220,28 @@ def main() -> None:
                 res = _child("hf-to-dcp", str(work / "hf"), str(work / f"dcp{r}"), "-", flag)
                 rows["hf2dcp" + sync].append(res["seconds"])
                 mem["hf2dcp" + sync].append(res)
-                res = _child(
-                    "dcp-to-hf", str(work / f"dcp{r}"), str(work / "hf"), str(work / f"out{r}"), flag
-                )
-                rows["dcp2hf" + sync].append(res["seconds"])
-                mem["dcp2hf" + sync].append(res)
-                for d in (f"out{r}", f"dcp{r}"):
-                    shutil.rmtree(work / d)
+                # Alternate the order of the two codes between repeats: neither always runs first.
+                for tag, code in codes if r % 2 == 0 else codes[::-1]:
+                    for key, mode, _ in exports:
+                        out = work / f"out{r}{key}{tag}"
+                        res = _child(mode, str(work / f"dcp{r}"), str(work / "hf"), str(out), flag, code=code)
+                        rows[key + tag + sync].append(res["seconds"])
+                        mem[key + tag + sync].append(res)
+                        shutil.rmtree(out)
+                shutil.rmtree(work / f"dcp{r}")
         size = info["bytes"]
         budget = info["largest_shard"] + 512 * MIB
         print(
-            f"\n{'':30}{'MiB/s':>7}{'vs copy':>9}{'peak RSS':>10}{'budget':>8}{'in budget':>11}{'imports':>9}{'process':>9}"
+            f"\n{'':46}{'MiB/s':>7}{'vs copy':>9}{'spread':>13}{'peak RSS':>10}{'budget':>8}{'in budget':>11}{'imports':>9}{'process':>9}"
         )
         for sync in ("", "_fsync"):
             copy_tp = size / statistics.median(rows["copy" + sync]) / MIB
-            for label, key in (
-                ("shutil.copyfile", "copy"),
-                ("hf-to-dcp (fsdp2)", "hf2dcp"),
-                ("dcp-to-hf (official)", "dcp2hf"),
-            ):
+            for label, key in names:
                 key += sync
                 tp = size / statistics.median(rows[key]) / MIB
-                line = f"{label + (' + fsync' if sync else ''):30}{tp:7.0f}{tp / copy_tp:9.2f}"
+                ratios = [size / s / MIB / copy_tp for s in rows[key]]
+                line = f"{label + (' + fsync' if sync else ''):46}{tp:7.0f}{tp / copy_tp:9.2f}"
+                line += f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>13}"
                 if key in mem:
                     peak = max(m["work_peak_rss"] for m in mem[key])
                     imports = max(m["imports_rss"] for m in mem[key])
@@ -225,7 +251,8 @@ def main() -> None:
                 print(line)
         print(
             "\nMiB/s: checkpoint bytes / median wall time (conversion call, after imports); vs copy: against\n"
-            "the copy with the same durability (fsync rows against copy + fsync). peak RSS (MiB):\n"
+            "the copy with the same durability (fsync rows against copy + fsync); spread: the lowest and\n"
+            "highest single run against the median copy. peak RSS (MiB):\n"
             "the process's resident peak while converting (VmHWM reset after the imports, so it includes\n"
             "the resident imports); budget = largest shard + 512 MiB; imports = RSS after importing torch\n"
             "and transformers; process = the child's peak over its whole life, import-time spikes included\n"

@@ -16,7 +16,6 @@ serialize each whole output file in memory (``safetensors.torch.save``) from a s
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import json
@@ -30,7 +29,6 @@ import time
 import warnings
 import zipfile
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +51,7 @@ from .keys import (
     transformers_to_official_key,
 )
 from .native import check_native_base, rotary_head_dim, write_native_files, write_rows
-from .safetensors_io import SafetensorsStreamWriter, TensorSpec, safetensors_dtype
+from .safetensors_io import StreamWriters, TensorSpec, read_exactly, safetensors_dtype
 from .staging import refuse_existing, staged_directory
 from .validate import (
     compare_keys,
@@ -265,7 +263,22 @@ def _record_data(fd: int, start: int, length: int, record: zipfile.ZipInfo) -> i
     return data if data + record.file_size <= length else None
 
 
-def locate_rows(fd: int, start: int, length: int, dtype, storage_offsets, lengths) -> tuple[int, int] | None:
+def _pickle_bytes(fd: int, start: int, length: int, infos: list[zipfile.ZipInfo]) -> bytes | None:
+    """The raw bytes of a ``torch.save`` archive's one ``data.pkl`` record when it is stored
+    uncompressed, else None."""
+    pickles = [i for i in infos if i.filename.endswith("/data.pkl")]
+    if len(pickles) != 1:
+        return None
+    where = _record_data(fd, start, length, pickles[0])
+    if where is None:
+        return None
+    data = os.pread(fd, pickles[0].file_size, start + where)
+    return data if len(data) == pickles[0].file_size else None
+
+
+def locate_rows(
+    fd: int, start: int, length: int, dtype, storage_offsets, lengths, loaded: dict | None = None
+) -> tuple[int, int] | None:
     """Where the bytes of one DCP read item lie in its ``.distcp`` file, or None.
 
     ``start``/``length`` are the item's bytes (DCP's ``_StorageInfo.offset``/``.length``): one
@@ -277,7 +290,11 @@ def locate_rows(fd: int, start: int, length: int, dtype, storage_offsets, length
     columns) returns None, and the caller reads the item through ``torch.load``.
 
     The tensor's geometry comes from ``torch.load(..., weights_only=True, map_location="meta")``,
-    which reads the pickle but no storage bytes; the record's place from ``zipfile``.
+    which reads the pickle but no storage bytes; the record's place from ``zipfile``. Loading to
+    the meta device makes the result a function of the pickle's bytes alone, so ``loaded`` (a dict
+    the caller keeps across items) maps those bytes to the meta tensor: the items of a checkpoint
+    share a handful of geometries (every layer's query weight pickles the same), and the weights-only
+    unpickler costs about a millisecond a call.
     """
     import torch
 
@@ -302,8 +319,13 @@ def locate_rows(fd: int, start: int, length: int, dtype, storage_offsets, length
                 where = _record_data(fd, start, length, info)
                 if where is None or os.pread(fd, info.file_size, start + where) != b"little":
                     return None
-        view.seek(0)
-        tensor = torch.load(view, map_location="meta", weights_only=True)
+        pickled = _pickle_bytes(fd, start, length, infos)
+        tensor = loaded.get(pickled) if loaded is not None and pickled is not None else None
+        if tensor is None:
+            view.seek(0)
+            tensor = torch.load(view, map_location="meta", weights_only=True)
+            if loaded is not None and pickled is not None:
+                loaded[pickled] = tensor
     except (zipfile.BadZipFile, RuntimeError, ValueError, OSError, EOFError, KeyError):
         return None
     if (
@@ -361,6 +383,7 @@ def _make_direct_reader(
             # A tensor goes the direct way only if every chunk of it is a block of whole rows:
             # the planner assembles the others whole and must see all of their chunks.
             rows_only: dict[str, bool] = {}
+            loaded: dict = {}  # locate_rows' geometries, by pickle bytes
             for item in plan.items:
                 fqn = item.dest_index.fqn
                 rows_only[fqn] = (
@@ -380,7 +403,13 @@ def _make_direct_reader(
                         if direct and rows_only[fqn] and not info.transform_descriptors:
                             dtype = metadata.state_dict_metadata[fqn].properties.dtype
                             where = locate_rows(
-                                fd, info.offset, info.length, dtype, item.storage_offsets, item.lengths
+                                fd,
+                                info.offset,
+                                info.length,
+                                dtype,
+                                item.storage_offsets,
+                                item.lengths,
+                                loaded,
                             )
                         if where is None:
                             pending.append(item)
@@ -592,26 +621,32 @@ def export_dcp_to_hf(
     started = time.perf_counter()
 
     # With --fsync each file's sync starts in the background as soon as its last tensor is in, while
-    # the next file is copied (one thread: the disk, not the CPU, is what it waits on).
-    syncer = ThreadPoolExecutor(1, thread_name_prefix="fsync") if fsync else None
-    with staged_directory(out_dir, "output directory") as tmp, syncer or contextlib.nullcontext():
-        writers = {
-            name: SafetensorsStreamWriter(
-                tmp / name, file_specs, metadata={"format": "pt"}, sync_early=syncer
-            )
-            for name, file_specs in specs.items()
-        }
-        try:
+    # the next file is copied (StreamWriters).
+    with staged_directory(out_dir, "output directory") as tmp:
+        with StreamWriters(fsync) as group:
+            writers = {
+                name: group.open(tmp / name, file_specs, metadata={"format": "pt"})
+                for name, file_specs in specs.items()
+            }
             # Native query and key weights: head_dim of the rows to put in rotary order.
             rotary = (
                 {k: rotary_head_dim(key, config) for k, (_, key) in destination.items()} if native else {}
             )
 
+            # Reused for every query and key weight: the bytes read, and the rows in native order.
+            scratch = {"read": torch.empty(0, dtype=torch.uint8), "rows": torch.empty(0, dtype=torch.uint8)}
+
+            def reserve(which: str, nbytes: int):
+                if scratch[which].numel() < nbytes:
+                    scratch[which] = torch.empty(nbytes, dtype=torch.uint8)
+                return scratch[which]
+
             def sink(dcp_key: str, tensor, row_offset: int) -> None:
                 nonlocal done
                 name, key = destination[dcp_key]
                 if rotary.get(dcp_key):
-                    done += write_rows(writers[name], key, tensor, row_offset, rotary[dcp_key])
+                    rows = reserve("rows", tensor.numel() * tensor.element_size())
+                    done += write_rows(writers[name], key, tensor, row_offset, rotary[dcp_key], rows)
                 else:
                     done += writers[name].write(key, tensor, row_offset)
                 if progress is not None:
@@ -622,10 +657,9 @@ def export_dcp_to_hf(
                 name, key = destination[dcp_key]
                 if rotary.get(dcp_key):  # rows move: through memory (one block)
                     md = dcp_md(dcp_key[len(prefix) :])
-                    block = torch.frombuffer(
-                        bytearray(os.pread(fd, nbytes, offset)), dtype=md.properties.dtype
-                    )
-                    sink(dcp_key, block.view(-1, *tuple(md.size)[1:]), row_offset)
+                    block = reserve("read", nbytes)[:nbytes]
+                    read_exactly(fd, memoryview(block.numpy()), offset)
+                    sink(dcp_key, block.view(md.properties.dtype).view(-1, *tuple(md.size)[1:]), row_offset)
                     return
                 done += writers[name].copy_range(key, fd, offset, nbytes, row_offset)
                 if progress is not None:
@@ -653,12 +687,6 @@ def export_dcp_to_hf(
                     )
                 except CheckpointException as exc:
                     raise _unwrap(exc, checkpoint_dir) from None
-            for writer in writers.values():
-                writer.close(fsync=fsync)
-        except BaseException:
-            for writer in writers.values():
-                writer.abort()
-            raise
         weight_map = {s.name: name for name, file_specs in specs.items() for s in file_specs}
         if native:
             copied = write_native_files(tmp, model_dir, config, weight_map, total)
@@ -714,6 +742,7 @@ def export_hf_to_native(
     """
     from contextlib import ExitStack
 
+    import torch
     from safetensors import safe_open
 
     from magistral_cli.model_config import read_model_config
@@ -759,13 +788,15 @@ def export_hf_to_native(
             return opened[name]
 
         weight_map: dict[str, str] = {}
-        for out_name, file_keys in files.items():
-            specs = [
-                TensorSpec(transformers_to_native_key(k), source[k][1].dtype, source[k][1].shape)
-                for k in file_keys
-            ]
-            writer = SafetensorsStreamWriter(tmp / out_name, specs, metadata={"format": "pt"})
-            try:
+        scratch = torch.empty(0, dtype=torch.uint8)  # reused for the query and key rows
+        # Each file's sync (--fsync) runs while the next file is filled (StreamWriters).
+        with StreamWriters(fsync) as group:
+            for out_name, file_keys in files.items():
+                specs = [
+                    TensorSpec(transformers_to_native_key(k), source[k][1].dtype, source[k][1].shape)
+                    for k in file_keys
+                ]
+                writer = group.open(tmp / out_name, specs, metadata={"format": "pt"})
                 for spec in writer.layout:  # the file's byte order: appended, never a hole
                     key = native_to_transformers_key(spec.name)
                     name, src = source[key]
@@ -780,14 +811,12 @@ def export_hf_to_native(
                         if head_dim is None:
                             done += writer.write(spec.name, tensor)
                         else:
-                            done += write_rows(writer, spec.name, tensor, 0, head_dim)
+                            if scratch.numel() < spec.nbytes:
+                                scratch = torch.empty(spec.nbytes, dtype=torch.uint8)
+                            done += write_rows(writer, spec.name, tensor, 0, head_dim, scratch)
                     weight_map[spec.name] = out_name
                     if progress is not None:
                         progress(done, total)
-                writer.close(fsync=fsync)
-            except BaseException:
-                writer.abort()
-                raise
         weight_map = {transformers_to_native_key(k): weight_map[transformers_to_native_key(k)] for k in keys}
         copied = write_native_files(tmp, model_dir, config, weight_map, total)
     return ExportResult(

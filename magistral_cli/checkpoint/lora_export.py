@@ -36,7 +36,7 @@ from magistral_cli.run_record import RESOLVED_CONFIG
 from .hf import CONFIG, WEIGHT_INDEX, read_hf_weights, read_weight_index, require_model_dir, support_files
 from .keys import DCP_MODEL_PREFIX, to_transformers_key
 from .layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from .safetensors_io import SafetensorsStreamWriter, read_data_offsets, read_safetensors_header
+from .safetensors_io import StreamWriters, read_data_offsets, read_safetensors_header
 from .staging import refuse_existing, staged_directory
 from .validate import read_dcp_metadata, resolve_dcp_checkpoint
 
@@ -370,45 +370,45 @@ def export_lora_merged(
     )
     total = weights.total_bytes
     written: set[str] = set()
+    # Each file's sync (--fsync) runs while the next file is filled (StreamWriters).
     with staged_directory(out_dir, "output directory") as tmp:
-        for name, specs in weights.files.items():
-            source = base_dir / name
-            _, metadata = read_safetensors_header(source)
-            data_start, offsets = read_data_offsets(source)
-            writer = SafetensorsStreamWriter(tmp / name, specs, metadata=metadata or None)
-            fd = os.open(source, os.O_RDONLY)
-            try:
-                with safe_open(str(source), framework="pt") as f:
-                    for spec in writer.layout:
-                        try:
-                            key = to_transformers_key(spec.name)
-                        except KeyError:
-                            key = spec.name
-                        module = key.rsplit(".", 1)[0]
-                        if key.endswith(".weight") and module in targets:
-                            lora_a, lora_b = ck.lora_pair(module)
-                            tensor = merged_weight(f.get_tensor(spec.name), lora_a, lora_b, scaling)
-                            result.bytes += writer.write(spec.name, tensor)
-                            result.merged += 1
-                            written.add(module)
-                        elif key in trained_full:
-                            tensor = ck.tensors[key].to(spec.torch_dtype()).contiguous()
-                            result.bytes += writer.write(spec.name, tensor)
-                            result.replaced += 1
-                            written.add(key)
-                        else:
-                            begin, end = offsets[spec.name]
-                            result.bytes += writer.copy_range(spec.name, fd, data_start + begin, end - begin)
-                            result.copied_tensors += 1
-                        result.tensors += 1
-                        if progress is not None:
-                            progress(result.bytes, total)
-                writer.close(fsync=fsync)
-            except BaseException:
-                writer.abort()
-                raise
-            finally:
-                os.close(fd)
+        with StreamWriters(fsync) as group:
+            for name, specs in weights.files.items():
+                source = base_dir / name
+                _, metadata = read_safetensors_header(source)
+                data_start, offsets = read_data_offsets(source)
+                writer = group.open(tmp / name, specs, metadata=metadata or None)
+                fd = os.open(source, os.O_RDONLY)
+                try:
+                    with safe_open(str(source), framework="pt") as f:
+                        for spec in writer.layout:
+                            try:
+                                key = to_transformers_key(spec.name)
+                            except KeyError:
+                                key = spec.name
+                            module = key.rsplit(".", 1)[0]
+                            if key.endswith(".weight") and module in targets:
+                                lora_a, lora_b = ck.lora_pair(module)
+                                tensor = merged_weight(f.get_tensor(spec.name), lora_a, lora_b, scaling)
+                                result.bytes += writer.write(spec.name, tensor)
+                                result.merged += 1
+                                written.add(module)
+                            elif key in trained_full:
+                                tensor = ck.tensors[key].to(spec.torch_dtype()).contiguous()
+                                result.bytes += writer.write(spec.name, tensor)
+                                result.replaced += 1
+                                written.add(key)
+                            else:
+                                begin, end = offsets[spec.name]
+                                result.bytes += writer.copy_range(
+                                    spec.name, fd, data_start + begin, end - begin
+                                )
+                                result.copied_tensors += 1
+                            result.tensors += 1
+                            if progress is not None:
+                                progress(result.bytes, total)
+                finally:
+                    os.close(fd)
         missing = sorted((targets | trained_full) - written)
         if missing:
             raise CheckFailed(f"the base {base_dir} has no tensor for {missing[:5]}; nothing was written")

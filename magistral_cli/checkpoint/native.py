@@ -42,11 +42,20 @@ def rotary_head_dim(native_key: str, config) -> int | None:
     return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 
 
-def to_native_rows(tensor, head_dim: int):
+def to_native_rows(tensor, head_dim: int, scratch=None):
     """transformers' row order -> native rotary order, for a tensor of whole heads: row
-    ``a * half + b`` of each head goes to row ``2 b + a`` (``a`` in 0, 1; ``half = head_dim / 2``)."""
+    ``a * half + b`` of each head goes to row ``2 b + a`` (``a`` in 0, 1; ``half = head_dim / 2``).
+
+    ``scratch`` (a uint8 tensor of at least the tensor's bytes) receives the result instead of
+    fresh memory: an exporter reuses one for every query and key weight."""
     cols = tensor.shape[1:]
-    return tensor.reshape(-1, 2, head_dim // 2, *cols).transpose(1, 2).reshape(tensor.shape).contiguous()
+    moved = tensor.reshape(-1, 2, head_dim // 2, *cols).transpose(1, 2)
+    if scratch is None:
+        return moved.reshape(tensor.shape).contiguous()
+    nbytes = tensor.numel() * tensor.element_size()
+    out = scratch[:nbytes].view(tensor.dtype).view(tensor.shape)
+    out.view(moved.shape).copy_(moved)
+    return out
 
 
 def from_native_rows(tensor, head_dim: int):
@@ -62,12 +71,13 @@ def native_row(row: int, head_dim: int) -> int:
     return head * head_dim + 2 * (j % half) + j // half
 
 
-def write_rows(writer, name: str, tensor, row_offset: int, head_dim: int) -> int:
+def write_rows(writer, name: str, tensor, row_offset: int, head_dim: int, scratch=None) -> int:
     """Write a block of transformers' rows of a query or key weight in native order: at once when
-    it holds whole heads, else row by row. Returns the byte count written."""
+    it holds whole heads (through ``scratch``, see ``to_native_rows``), else row by row. Returns
+    the byte count written."""
     rows = tensor.shape[0]
     if row_offset % head_dim == 0 and rows % head_dim == 0:
-        return writer.write(name, to_native_rows(tensor, head_dim), row_offset)
+        return writer.write(name, to_native_rows(tensor, head_dim, scratch), row_offset)
     return sum(
         writer.write(name, tensor[i : i + 1], native_row(row_offset + i, head_dim)) for i in range(rows)
     )

@@ -20,7 +20,7 @@ import os
 import struct
 import threading
 from collections.abc import Iterable
-from concurrent.futures import Executor, Future, wait
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -313,6 +313,47 @@ class SafetensorsStreamWriter:
             wait([self._synced])
 
 
+class StreamWriters:
+    """The output files of one export: each a ``SafetensorsStreamWriter`` whose fsync (with
+    ``fsync=True``) starts in the background as soon as its last byte is in, while the next file
+    is filled (one thread: the disk, not the CPU, is what it waits on); every file is closed when
+    the ``with`` block ends, and on an error every one is aborted (the caller removes the files).
+
+    An exporter that closed each file with its fsync before starting the next would leave the disk
+    idle while it copies and the copy idle while the disk writes.
+    """
+
+    def __init__(self, fsync: bool):
+        self.fsync = fsync
+        self._syncer = ThreadPoolExecutor(1, thread_name_prefix="fsync") if fsync else None
+        self._writers: list[SafetensorsStreamWriter] = []
+
+    def open(
+        self, path: str | Path, specs: Iterable[TensorSpec], metadata: dict[str, str] | None = None
+    ) -> SafetensorsStreamWriter:
+        writer = SafetensorsStreamWriter(path, specs, metadata=metadata, sync_early=self._syncer)
+        self._writers.append(writer)
+        return writer
+
+    def __enter__(self) -> StreamWriters:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                for writer in self._writers:
+                    writer.close(fsync=self.fsync)
+        except BaseException:
+            exc_type = BaseException
+            raise
+        finally:
+            if exc_type is not None:
+                for writer in self._writers:
+                    writer.abort()
+            if self._syncer is not None:
+                self._syncer.shutdown(wait=True)
+
+
 # copy_file_range fails with these where the kernel or the file systems cannot copy in-kernel
 # (older kernels, files on different file systems, some network and FUSE file systems).
 _NO_COPY_FILE_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOTSUP}
@@ -358,6 +399,17 @@ def _copy_file_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int,
         pos = 0
         while pos < got:  # pwrite may write less than asked
             pos += os.pwrite(dst_fd, buffer[pos:got], dst_offset + done + pos)
+        done += got
+
+
+def read_exactly(fd: int, buffer: memoryview, offset: int) -> None:
+    """Fill ``buffer`` with the bytes of ``fd`` from ``offset`` (pread: the file offset stays);
+    raises ``ValueError`` if the file ends first."""
+    done = 0
+    while done < len(buffer):
+        got = os.preadv(fd, [buffer[done:]], offset + done)
+        if not got:
+            raise ValueError(f"source ends {len(buffer) - done} bytes short of the range to read")
         done += got
 
 

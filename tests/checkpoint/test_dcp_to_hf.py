@@ -213,5 +213,13 @@ def test_locate_rows_finds_the_bytes_of_a_row_block(tmp_path):
             assert locate_rows(fd, start, length, torch.bfloat16, (t.shape[0] - 1, 0), (2, 6)) is None
         # Bytes that are not a torch.save archive.
         assert locate_rows(fd, 0, 100, torch.bfloat16, (0, 0), (2, 6)) is None
+        # With a cache of loaded geometries: the same places, one torch.load per distinct pickle
+        # (the whole tensor and the view pickle differently: a storage offset).
+        loaded: dict = {}
+        for _repeat in range(2):
+            for start, length, _ in items:
+                args = (fd, start, length, torch.bfloat16, (3, 0), (2, 6))
+                assert locate_rows(*args, loaded) == locate_rows(*args)
+        assert len(loaded) == 2
     finally:
         os.close(fd)

@@ -8,6 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from magistral_cli.checkpoint.safetensors_io import (
     SafetensorsStreamWriter,
+    StreamWriters,
     TensorSpec,
     read_safetensors_header,
     safetensors_dtype,
@@ -106,6 +107,40 @@ def test_early_sync_starts_when_the_last_byte_is_in_and_keeps_the_bytes(tmp_path
         writer.close(fsync=True)
         assert writer._synced.done() and writer._synced.exception() is None
     assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+def test_stream_writers_sync_a_file_while_the_next_fills_and_close_all_at_the_end(tmp_path):
+    """``StreamWriters(fsync=True)``: a finished file's sync starts before the next file is opened,
+    every file stays open until the block ends, and then each is complete and equal to save_file's."""
+    tensors = _tensors()
+    save_file(tensors, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    specs = [TensorSpec(k, safetensors_dtype(v.dtype), tuple(v.shape)) for k, v in tensors.items()]
+    with StreamWriters(fsync=True) as group:
+        writers = []
+        for name in ("one.safetensors", "two.safetensors"):
+            writer = group.open(tmp_path / name, specs, metadata={"format": "pt"})
+            for key, tensor in tensors.items():
+                writer.write(key, tensor)
+            assert writer._synced is not None  # syncing in the background, the file still open
+            writers.append(writer)
+        assert all(w._fd >= 0 for w in writers)
+    assert all(w._fd == -1 and w._synced.done() for w in writers)
+    for name in ("one.safetensors", "two.safetensors"):
+        assert (tmp_path / name).read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+def test_stream_writers_abort_every_file_on_an_error(tmp_path):
+    """An error in the block (here an incomplete second file found at close) closes every file
+    without further checks and propagates."""
+    tensors = _tensors()
+    specs = [TensorSpec(k, safetensors_dtype(v.dtype), tuple(v.shape)) for k, v in tensors.items()]
+    with pytest.raises(ValueError, match="never written"), StreamWriters(fsync=True) as group:
+        first = group.open(tmp_path / "one.safetensors", specs)
+        for key, tensor in tensors.items():
+            first.write(key, tensor)
+        second = group.open(tmp_path / "two.safetensors", specs)
+        second.write("a.weight", tensors["a.weight"])
+    assert first._fd == -1 and second._fd == -1
 
 
 @pytest.mark.parametrize("src_offset, dst_offset", [(64, 1000), (4096 + 8, 8), (0, 0)])
