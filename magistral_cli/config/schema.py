@@ -234,6 +234,16 @@ class DatasetAttr(Section):
         description="Addition. Key of an assistant message's reasoning, beside its content (encoded as "
         "[THINK]reasoning[/THINK] before the answer; empty or null = none); null reads no such key.",
     )
+    chosen: str = Field(
+        "chosen",
+        description="Addition (LLaMA-Factory's ranking columns). Under training.stage: dpo, the column holding "
+        "the preferred answer: one assistant message.",
+    )
+    rejected: str = Field(
+        "rejected",
+        description="Addition. Under training.stage: dpo, the column holding the dispreferred answer: one "
+        "assistant message.",
+    )
     formatting: Literal["alpaca", "sharegpt", "auto"] = Field(
         "auto",
         description="Addition. Record style; auto detects LLaVA 'messages' or ShareGPT 'conversations'.",
@@ -851,8 +861,65 @@ def _plugin_key(path: str) -> str:
     return path.replace(".", "/") if "/" not in path else path
 
 
+class DpoConfig(Section):
+    """Preference training (``training.stage: dpo``): LLaMA-Factory's ``pref_*`` settings."""
+
+    beta: float = Field(0.1, gt=0, description="Addition. The preference loss's beta (pref_beta).")
+    loss: Literal["sigmoid", "ipo", "orpo", "simpo"] = Field(
+        "sigmoid",
+        description=(
+            "Addition. pref_loss: sigmoid (DPO), ipo, orpo or simpo (ops.preference_loss gives each formula); "
+            "orpo and simpo use no reference model."
+        ),
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="Addition. Conservative DPO's label smoothing (sigmoid only); 0 = off."
+    )
+    ftx: float = Field(
+        0.0,
+        ge=0,
+        description="Addition. Weight of an added SFT loss on the chosen answer (pref_ftx): its mean token NLL.",
+    )
+    simpo_gamma: float = Field(0.5, ge=0, description="Addition. SimPO's target reward margin gamma.")
+    ref_model: Optional[str] = Field(
+        None,
+        description=(
+            "Addition. The reference model: an HF model directory or a DCP checkpoint. null: with LoRA the base "
+            "with its adapters switched off (no second model); without LoRA a frozen copy of the starting weights."
+        ),
+    )
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss compares with a reference model (sigmoid and ipo do, orpo and simpo do not)."""
+        return self.loss in ("sigmoid", "ipo")
+
+    @model_validator(mode="after")
+    def _reference_only_when_used(self):
+        if self.ref_model is not None and not self.needs_reference:
+            raise ValueError(
+                f"ref_model is set but loss {self.loss!r} uses no reference model; remove training.dpo.ref_model "
+                "or use loss: sigmoid / ipo"
+            )
+        if self.label_smoothing and self.loss != "sigmoid":
+            raise ValueError(
+                f"label_smoothing applies to loss: sigmoid only, not {self.loss!r}; set it to 0"
+            )
+        return self
+
+
 class Training(Section):
-    micro_batch_size: int = Field(1, ge=1, description="Samples per rank per micro-batch.")
+    stage: Literal["sft", "dpo"] = Field(
+        "sft",
+        description=(
+            "Addition. sft: supervised fine-tuning; dpo: preference training on (prompt, chosen, rejected) "
+            "pairs, set by training.dpo."
+        ),
+    )
+    dpo: DpoConfig = Field(default_factory=DpoConfig, description="Addition. Preference training (stage: dpo).")
+    micro_batch_size: int = Field(
+        1, ge=1, description="Samples per rank per micro-batch (stage dpo: pairs, two sequences each)."
+    )
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     seed: int = Field(
         42, ge=0, le=SEED_MAX, description="Seeds every rank (and the data order); 0 to 4294967295."
@@ -1191,6 +1258,33 @@ class Recipe(Section):
             raise ValueError(
                 f"training.micro_batch_size x data.dataset_param.basic_parameters.cutoff_len = {tokens} tokens a "
                 f"packed micro-batch, more than the attention's int32 offsets hold ({TOKENS_MAX}); lower one of them"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _dpo_rules(self):
+        if self.training.stage != "dpo":
+            return self
+        basic = self.data.dataset_param.basic_parameters
+        if basic.packing:
+            raise ValueError(
+                "training.stage: dpo with packing is not supported yet (each pair's two sequences must stay "
+                "apart); set data.dataset_param.basic_parameters.packing: false and neat_packing: false"
+            )
+        if self.parallel.cp_size > 1:
+            raise ValueError(
+                f"training.stage: dpo with context parallelism (cp {self.parallel.cp_size}) is not supported; "
+                "set ulysses_parallel_size and ring_attention_size to 1"
+            )
+        if self.features.loss_cfg.loss_type != "default":
+            raise ValueError(
+                "training.stage: dpo averages its loss over the step's pairs; features.loss_cfg.loss_type "
+                f"{self.features.loss_cfg.loss_type!r} applies to sft only: remove it or set 'default'"
+            )
+        if self.data.dataset_param.is_synthetic:
+            raise ValueError(
+                "training.stage: dpo needs a pair dataset (data.dataset_param.basic_parameters.dataset); "
+                "synthetic data holds no pairs"
             )
         return self
 
