@@ -902,9 +902,7 @@ class DpoConfig(Section):
                 "or use loss: sigmoid / ipo"
             )
         if self.label_smoothing and self.loss != "sigmoid":
-            raise ValueError(
-                f"label_smoothing applies to loss: sigmoid only, not {self.loss!r}; set it to 0"
-            )
+            raise ValueError(f"label_smoothing applies to loss: sigmoid only, not {self.loss!r}; set it to 0")
         return self
 
 
@@ -916,7 +914,9 @@ class Training(Section):
             "pairs, set by training.dpo."
         ),
     )
-    dpo: DpoConfig = Field(default_factory=DpoConfig, description="Addition. Preference training (stage: dpo).")
+    dpo: DpoConfig = Field(
+        default_factory=DpoConfig, description="Addition. Preference training (stage: dpo)."
+    )
     micro_batch_size: int = Field(
         1, ge=1, description="Samples per rank per micro-batch (stage dpo: pairs, two sequences each)."
     )
@@ -1281,11 +1281,18 @@ class Recipe(Section):
                 "training.stage: dpo averages its loss over the step's pairs; features.loss_cfg.loss_type "
                 f"{self.features.loss_cfg.loss_type!r} applies to sft only: remove it or set 'default'"
             )
-        if self.data.dataset_param.is_synthetic:
+        if self.data.dataset_param.is_synthetic and basic.val_size:
             raise ValueError(
-                "training.stage: dpo needs a pair dataset (data.dataset_param.basic_parameters.dataset); "
-                "synthetic data holds no pairs"
+                "training.stage: dpo on synthetic data has no validation pairs; remove "
+                "data.dataset_param.basic_parameters.val_size or train on a pair dataset"
             )
+        if self.model.lora is not None and self.model.lora.modules_to_save and self.training.dpo.needs_reference:
+            if self.training.dpo.ref_model is None:
+                raise ValueError(
+                    "training.stage: dpo with LoRA compares with the base (adapters off), but "
+                    "model.lora.modules_to_save trains modules of the base itself; set training.dpo.ref_model "
+                    "to the starting model directory, or remove modules_to_save"
+                )
         return self
 
     @model_validator(mode="after")

@@ -53,6 +53,7 @@ def build_data(recipe: Recipe, *, dp_rank: int, dp_size: int, vocab_size: int) -
             seed=training.seed,
             image_every=params.synthetic.image_every,
             full_length=params.synthetic.full_length,
+            pairs=training.stage == "dpo",
         )
     from magistral_cli.data.loader import build_train_dataloader, prepare_dataset
 

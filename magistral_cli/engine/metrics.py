@@ -20,6 +20,9 @@ from magistral_cli.runtime import device_module, device_peak_tflops
 
 log = logging.getLogger(__name__)
 
+#: The metric-name prefixes of preference training (``ops.preference_loss.METRIC_NAMES``).
+PREFERENCE_PREFIXES = ("rewards/", "logps/")
+
 FIELDS = (
     "step",
     "loss",
@@ -72,7 +75,7 @@ def step_record(
     """A training step's metrics.jsonl record from the values its one synchronisation read back
     (``host``: ``grad_norm``, ``counts`` = targets, tokens, model FLOPs in ``FLOP_UNIT``s) and its
     logged ``loss``; ``add_step_time`` fills in the timing when the step is logged."""
-    _, tokens, flop_units = host["counts"]
+    tokens, flop_units = host["counts"][1:3]  # (preference training adds the pairs after them)
     record = {
         "step": step,
         "loss": loss,
@@ -194,6 +197,8 @@ class MetricsFile:
             line.update({k: _strict(v) for k, v in record.items() if k not in line})
         else:
             line = {k: _strict(record.get(k)) for k in FIELDS}
+            # Preference training's metrics (trl's names: rewards/..., logps/...) follow the fields.
+            line.update({k: _strict(v) for k, v in record.items() if k.startswith(PREFERENCE_PREFIXES)})
             if record.get("skipped"):
                 line["skipped"] = True
         self._append(json.dumps(line, allow_nan=False) + "\n")

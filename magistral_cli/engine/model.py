@@ -30,6 +30,7 @@ from magistral_cli.model_config import apply_tying_rule, parameter_counts, read_
 from magistral_cli.ops.causal_attention import causal_attention_name
 from magistral_cli.ops.chunked_loss import cross_entropy_sum
 from magistral_cli.ops.packed_attention import is_packed_attention
+from magistral_cli.ops.preference_loss import token_logps
 
 log = logging.getLogger("magistral_cli.engine")
 
@@ -44,11 +45,15 @@ class LossHead(nn.Linear):
         hidden: torch.Tensor,
         labels: torch.Tensor | None = None,
         token_weights: torch.Tensor | None = None,
+        logps: bool = False,
     ) -> torch.Tensor:
         if labels is None:
             return super().forward(hidden)
         if self.bias is not None:
             raise ValueError("the chunked loss head does not support a bias")
+        if logps:
+            # Preference training: each target's log-probability (0 where ignored), chunked the same way.
+            return token_logps(hidden, self.weight, labels, self.chunk_size)
         return cross_entropy_sum(hidden, self.weight, labels, self.chunk_size, token_weights)
 
 
@@ -87,8 +92,10 @@ class Mistral3ForTraining(Mistral3ForConditionalGeneration):
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
         seq_ends: tuple[int, ...] | None = None,
+        sequence_logps: bool = False,
     ) -> torch.Tensor:
-        """The (weighted) sum of the token losses.
+        """The (weighted) sum of the token losses; with ``sequence_logps`` each row's summed target
+        log-probabilities ``[B]`` instead (preference training: one sequence per row, unpacked).
 
         ``sample_weights`` ``[B]`` weighs every token of a row, ``[B, L - 1]`` every target.
         ``cu_seqlens`` / ``max_seqlen`` / ``seq_ends`` (``ops.packed_attention.packed_inputs``)
@@ -131,6 +138,10 @@ class Mistral3ForTraining(Mistral3ForConditionalGeneration):
         hidden = outputs.last_hidden_state
         # Position i predicts token i + 1: labels arrive aligned with input_ids, unshifted.
         targets = labels[:, 1:]
+        if sequence_logps:
+            if cu_seqlens is not None or sample_weights is not None:
+                raise ValueError("sequence_logps needs an unpacked, unweighted batch (one sequence per row)")
+            return self.lm_head(hidden[:, :-1], targets, logps=True).sum(dim=-1)
         weights = None
         if sample_weights is not None:
             weights = sample_weights.to(torch.float32)

@@ -250,7 +250,7 @@ def lr_at(step: int, training: Training) -> float:
 def grad_norm_and_sums(
     params: list[torch.Tensor], extra: torch.Tensor, group=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(global L2 norm of the gradients, ``extra`` summed over ``group``), in one all-reduce.
+    """(global L2 norm of the gradients, ``extra`` (a scalar or a vector) summed over ``group``), in one all-reduce.
 
     FSDP2 shards every parameter (``Shard`` placements over the data-parallel group), so the sum
     over ranks of the squared local shards is the squared global norm. Working on the local
@@ -272,10 +272,11 @@ def grad_norm_and_sums(
     if grads:
         norms = torch._foreach_norm(grads, 2.0)
         squares = torch.stack([n.to(torch.float32) for n in norms]).square().sum().to(device)
-    buffer = torch.stack([squares, extra.to(torch.float32)])
+    buffer = torch.cat([squares.reshape(1), extra.to(torch.float32).reshape(-1)])
     if dist.is_initialized():
         dist.all_reduce(buffer, group=group)
-    return buffer[0].sqrt(), buffer[1]
+    # A scalar ``extra`` comes back a scalar, a vector (preference training's sums) a vector.
+    return buffer[0].sqrt(), buffer[1] if extra.ndim == 0 else buffer[1:]
 
 
 def clip_grads_(params: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:

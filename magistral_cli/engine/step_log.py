@@ -34,17 +34,26 @@ def read_step_values(
 ) -> dict[str, Any]:
     """The step's gradient norm, loss sum and (exact, int64) counts in one device-to-host read.
 
-    float64 holds integers exactly only up to 2**53, so each count travels as its high and low 32
-    bits (each exact in float64) and is put back together here.
+    ``loss_sum`` is a scalar, or a vector whose first entry is the loss sum (preference training:
+    then its metrics' sums, all under ``sums``). float64 holds integers exactly only up to 2**53,
+    so each count travels as its high and low 32 bits (each exact in float64) and is put back
+    together here.
     """
-    parts = [torch.stack([grad_norm, loss_sum]).to(torch.float64)]
+    sums = loss_sum.reshape(-1)
+    parts = [torch.cat([grad_norm.reshape(1), sums]).to(torch.float64)]
     if counts is not None:
         parts += [(counts >> 32).to(torch.float64), (counts & 0xFFFFFFFF).to(torch.float64)]
     values = torch.cat(parts).tolist()
-    host: dict[str, Any] = {"grad_norm": values[0], "loss_sum": values[1], "counts": None}
+    k = 1 + sums.numel()
+    host: dict[str, Any] = {
+        "grad_norm": values[0],
+        "loss_sum": values[1],
+        "sums": values[1:k],
+        "counts": None,
+    }
     if counts is not None:
         n = counts.numel()
-        high, low = values[2 : 2 + n], values[2 + n :]
+        high, low = values[k : k + n], values[k + n :]
         host["counts"] = [(int(h) << 32) + int(lo) for h, lo in zip(high, low, strict=True)]
     return host
 

@@ -63,8 +63,11 @@ class SyntheticBatches(MicroBatchCounter):
         images_per_sample: int = 1,
         pixels_per_token: int = 28,
         full_length: bool = False,
+        pairs: bool = False,
     ):
-        """``image_every``: every that many samples (by index) has images, 0 = none;
+        """``pairs`` (preference training): each micro-batch holds ``micro_batch_size`` pairs as
+        that many chosen rows (the samples above) then their rejected rows (``rejected``);
+        ``image_every``: every that many samples (by index) has images, 0 = none;
         ``images_per_sample``: how many such a sample has (each 2 or 4 image tokens);
         ``full_length``: every sample is ``seq_len`` tokens (default: random, from half of it)."""
         if images_per_sample < 1:
@@ -84,6 +87,7 @@ class SyntheticBatches(MicroBatchCounter):
         self.images_per_sample = images_per_sample
         self.pixels_per_token = pixels_per_token
         self.full_length = full_length
+        self.pairs = pairs
         self.yielded = 0
 
     def __next__(self) -> dict[str, torch.Tensor]:
@@ -91,7 +95,22 @@ class SyntheticBatches(MicroBatchCounter):
         per_rank = self.micro_batch_size * self.grad_accumulation
         first = step * per_rank * self.dp_size + self.dp_rank * per_rank + micro * self.micro_batch_size
         self.yielded += 1
-        return collate([self.sample(first + j) for j in range(self.micro_batch_size)])
+        samples = [self.sample(first + j) for j in range(self.micro_batch_size)]
+        if self.pairs:
+            samples += [self.rejected(first + j, chosen) for j, chosen in enumerate(samples)]
+        return collate(samples)
+
+    def rejected(self, index: int, chosen: dict) -> dict:
+        """Pair ``index``'s rejected sequence: the chosen one's prompt (and images) with another
+        random answer of its own length (1 token up to ``seq_len``); depends only on ``(seed, index)``."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index + 2**40)
+        prompt = int((chosen["labels"] == -100).sum())
+        length = int(torch.randint(1, self.seq_len - prompt + 1, (1,), generator=g))
+        answer = torch.randint(FIRST_TEXT_ID, self.vocab_size, (length,), generator=g)
+        ids = torch.cat([chosen["input_ids"][:prompt], answer])
+        labels = ids.clone()
+        labels[:prompt] = -100
+        return {"input_ids": ids, "labels": labels, "images": chosen["images"]}
 
     # ------------------------------------------------------------------ samples
     def sample(self, index: int) -> dict:

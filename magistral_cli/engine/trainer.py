@@ -36,6 +36,7 @@ from .model import (
 from .nonfinite import NonFiniteSteps
 from .optim import build_optimizer, clip_grads_, grad_norm_and_sums, lr_at
 from .parallelize import ParallelDims, parallelize_model
+from .preference import PreferenceStep, evaluate_pairs, metrics_of, reference_source
 from .profiling import MemoryProfiler, StepProfiler
 from .resume import CheckpointManager
 from .rng import seed_everything
@@ -99,6 +100,10 @@ class Trainer:
             gc.disable()
 
         self.model = self._build_model()
+        # training.stage: dpo: the pair step, with its reference model (None: adapters off, or no reference).
+        self.preference = None
+        if training.stage == "dpo":
+            self.preference = PreferenceStep(self, self._build_reference())
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         if self.rank == 0:
             log_parameter_counts(self.model, self.lora)
@@ -181,6 +186,42 @@ class Trainer:
         )
         return model
 
+    def _build_reference(self) -> torch.nn.Module | None:
+        """The frozen reference model of preference training, in the policy's FSDP2 layout, or None
+        (``preference.reference_source``: the policy's base with adapters off, or no reference)."""
+        recipe, features = self.recipe, self.recipe.features
+        source = reference_source(recipe)
+        if source is None:
+            return None
+        from .lora import refuse_lora_checkpoint_as_load
+        from .weights import load_weights
+
+        refuse_lora_checkpoint_as_load(source)
+        with torch.random.fork_rng(
+            devices=[]
+        ):  # the policy's initialisation and data order stay as without it
+            # A fresh config: the policy's build set its attention names on the shared one.
+            ref = build_model(
+                load_model_config(recipe.model.model_name_or_path, recipe.model.trust_remote_code),
+                meta=recipe.training.init_model_with_meta_device,
+                attn_implementation=self.attn_implementation,
+            )
+        chunk = features.chunkloss_plan.chunk_size if features.enable_chunk_loss else None
+        install_loss_head(ref, features.chunkloss_plan.apply_module, chunk)
+        ref.requires_grad_(False)
+        parallelize_model(
+            ref,
+            recipe,
+            device_type=self.device_type,
+            device=self.device,
+            mesh=self.meshes.dp_cp,
+            loss_fn=loss_head_sum,
+        )
+        report = load_weights(ref, source, "auto", strict=True)
+        ref.eval()
+        log.info("reference model: %d tensors from %s (%s), frozen", report.loaded, report.source, report.fmt)
+        return ref
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint of this step (``CheckpointManager.state_dict``)."""
@@ -222,7 +263,10 @@ class Trainer:
         Returns device tensors: ``loss_sum`` (this rank's summed token losses), ``objective``
         (this rank's share of the logged loss) and ``counts`` (global targets, global non-padding
         tokens, global model FLOPs in ``FLOP_UNIT``s). Nothing here waits for the device.
+        Under ``training.stage: dpo`` the pair step does it (``PreferenceStep.forward_backward``).
         """
+        if self.preference is not None:
+            return self.preference.forward_backward(micro_batches)
         loss_type = self.loss_type
         local = torch.zeros(3, dtype=torch.int64)  # targets, tokens, model FLOPs (FLOP_UNITs)
         targets: list[int] = []
@@ -308,6 +352,7 @@ class Trainer:
         # so only CP rank 0 contributes it (the sum then counts each dp replica once).
         if self.cp_rank:
             loss_sum = torch.zeros_like(loss_sum)
+        # (Preference training passes a vector: the pair-loss sum, then its metrics' sums.)
         grad_norm, global_loss_sum = grad_norm_and_sums(self.trainable, loss_sum, group=self.fsdp_group)
         # The one host synchronisation of a step: a non-finite loss or gradient norm must stop
         # (or skip) the step before AdamW writes NaN into the weights and the moments. Both
@@ -342,7 +387,9 @@ class Trainer:
 
     def evaluate(self) -> dict[str, Any] | None:
         """The mean validation loss over the whole split at this step (None without a split;
-        ``validate.evaluate``)."""
+        ``validate.evaluate``; preference training: ``preference.evaluate_pairs``)."""
+        if self.preference is not None:
+            return evaluate_pairs(self.preference, self.val_data, step=self.step)
         return evaluate(
             self.model,
             self.val_data,
@@ -366,10 +413,18 @@ class Trainer:
         host = out.get("host")
         if host is None or host["counts"] is None:
             host = read_step_values(out["grad_norm"], out["global_loss_sum"], out["counts"])
-        loss = self.logged_loss(host["loss_sum"], host["counts"][0])
-        return step_record(
+        if self.preference is not None:
+            # The means over the step's pairs (counts[3]).
+            pairs = host["counts"][3]
+            loss = host["sums"][0] / max(pairs, 1)
+        else:
+            loss = self.logged_loss(host["loss_sum"], host["counts"][0])
+        record = step_record(
             self.step, loss, host, float(out["lr"]), bool(out.get("skipped")), self.device_type
         )
+        if self.preference is not None:
+            record.update(metrics_of(host["sums"][1:], pairs))
+        return record
 
     def train(self, max_steps: int | None = None) -> list[dict[str, Any]]:
         """Train to ``training.train_iters`` (or ``max_steps`` more steps); return the logged records."""

@@ -1,0 +1,226 @@
+"""Preference training (``training.stage: dpo``): the reference model and the pair step.
+
+The trainer keeps everything else (build, FSDP2, optimizer, checkpoints, resume, logging); under
+``stage: dpo`` its ``forward_backward`` is ``PreferenceStep.forward_backward``:
+
+- a micro-batch holds ``B`` pairs as ``2B`` rows, the chosen sequences first, then the rejected
+  ones of the same pairs in the same order (``data``'s pair collation); the policy scores both in
+  one forward (``Mistral3ForTraining(..., sequence_logps=True)``: each row's summed target
+  log-probabilities, chunked like the SFT loss);
+- the reference scores the same rows under ``no_grad``: the policy itself with its LoRA adapters
+  switched off (LoRA, ``ref_model: null``), or a frozen second model in the same FSDP2 layout
+  (``reference_model``); orpo and simpo use none;
+- the step's loss is the mean of the per-pair losses over every pair of the step (all micro-batches
+  and data-parallel ranks): each micro-batch's backward is scaled by ``dp / global pairs``, and
+  FSDP2's average over dp takes the ``dp`` back out, so the gradient does not depend on how the
+  pairs are split.
+
+The logged metrics (trl's names, ``ops.preference_loss.METRIC_NAMES``) are summed over the step's
+pairs on the device and travel in the step's one all-reduce and one host read with the loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from magistral_cli.errors import UserError
+from magistral_cli.ops.preference_loss import METRIC_NAMES, PreferenceLoss
+from magistral_cli.runtime import host_to_device
+
+from .batch import check_micro_batch, to_device
+from .metrics import FLOP_UNIT, micro_batch_flops
+
+log = logging.getLogger("magistral_cli.engine")
+
+
+def preference_loss(recipe) -> PreferenceLoss:
+    """The recipe's ``training.dpo`` loss settings."""
+    dpo = recipe.training.dpo
+    return PreferenceLoss(
+        loss=dpo.loss,
+        beta=dpo.beta,
+        label_smoothing=dpo.label_smoothing,
+        ftx=dpo.ftx,
+        simpo_gamma=dpo.simpo_gamma,
+    )
+
+
+def pair_count(micro_batch: dict) -> int:
+    """Pairs in a host micro-batch: its rows are the chosen then the rejected sequences."""
+    rows = micro_batch["input_ids"].shape[0]
+    if rows % 2:
+        raise ValueError(
+            f"a preference micro-batch has {rows} rows; it needs chosen and rejected rows in pairs"
+        )
+    return rows // 2
+
+
+def answer_counts(labels: torch.Tensor) -> torch.Tensor:
+    """Each row's target count (float, host): the answer's tokens and its end of sequence."""
+    return (labels[:, 1:] != -100).sum(dim=1).to(torch.float32)
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` as its base: every PEFT LoRA layer's adapters switched off (no parameter or
+    ``requires_grad`` changes, so FSDP2's parameter groups stay as built)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, state in zip(layers, before, strict=True):
+            m._disable_adapters = state
+
+
+def reference_source(recipe) -> str | None:
+    """Where a separate reference model's weights come from (None: no separate model).
+
+    ``ref_model`` when set; else, without LoRA, the starting weights (``training.load``); with LoRA
+    and no ``ref_model`` the policy's base serves (adapters off), and orpo / simpo use none.
+    """
+    dpo = recipe.training.dpo
+    if not dpo.needs_reference:
+        return None
+    if dpo.ref_model is not None:
+        return dpo.ref_model
+    if recipe.model.lora is not None:
+        return None
+    if not recipe.training.load:
+        raise UserError(
+            "training.stage: dpo without LoRA compares with a frozen copy of the starting weights, but "
+            "training.load is not set; set training.load to the model directory or training.dpo.ref_model"
+        )
+    return recipe.training.load
+
+
+class PreferenceStep:
+    """``forward_backward`` of a ``stage: dpo`` trainer (the trainer's model, groups and counts)."""
+
+    def __init__(self, trainer, reference: nn.Module | None):
+        self.trainer = trainer
+        self.loss = preference_loss(trainer.recipe)
+        self.reference = reference
+        self.uses_adapters_off = self.loss.needs_reference and reference is None
+        if self.uses_adapters_off and trainer.lora is None:
+            raise ValueError("a reference-model loss without LoRA needs a reference model")
+
+    def reference_logps(self, batch: dict) -> torch.Tensor | None:
+        """Each row's summed target log-probabilities under the reference (None: the loss uses none)."""
+        if not self.loss.needs_reference:
+            return None
+        with torch.no_grad():
+            if self.reference is not None:
+                return self.reference(**batch, sequence_logps=True)
+            with adapters_off(self.trainer.model):
+                return self.trainer.model(**batch, sequence_logps=True)
+
+    def scored(self, batch: dict, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-pair losses, per-pair metrics) of one device micro-batch; ``counts`` its rows' target counts."""
+        ref = self.reference_logps(batch)
+        logps = self.trainer.model(**batch, sequence_logps=True)
+        pairs = logps.shape[0] // 2
+        return self.loss(
+            logps[:pairs],
+            logps[pairs:],
+            counts[:pairs],
+            counts[pairs:],
+            None if ref is None else ref[:pairs],
+            None if ref is None else ref[pairs:],
+        )
+
+    def forward_backward(self, micro_batches: list[dict]) -> dict[str, torch.Tensor]:
+        """Forward and backward over this rank's micro-batches of pairs.
+
+        Returns device tensors: ``loss_sum`` and ``objective`` (both the vector ``[sum of pair
+        losses, sums of the METRIC_NAMES]`` over this rank's pairs) and ``counts`` (global targets,
+        tokens, model FLOPs in ``FLOP_UNIT``s, pairs).
+        """
+        t = self.trainer
+        local = torch.zeros(4, dtype=torch.int64)  # targets, tokens, model FLOPs (FLOP_UNITs), pairs
+        row_counts = []
+        for mb in micro_batches:
+            check_micro_batch(mb, t.model_config, context_parallel=False)
+            local[3] += pair_count(mb)
+            row_counts.append(answer_counts(mb["labels"]))
+            local[0] += int(row_counts[-1].sum())
+            local[1] += mb["attention_mask"].sum()
+            flops = micro_batch_flops(t.model_config, mb)
+            if self.loss.needs_reference:
+                flops += flops // 3  # the reference's forward: a third of a training step's FLOPs
+            local[2] += flops // FLOP_UNIT
+        counts = host_to_device(local, t.device)
+        pending = dist.all_reduce(counts, group=t.dp_group, async_op=True)
+        sums = torch.zeros(1 + len(METRIC_NAMES), dtype=torch.float32, device=t.device)
+        scale = None
+        last = len(micro_batches) - 1
+        defer = t.recipe.parallel.fsdp_plan.defer_grad_sync
+        for i, mb in enumerate(micro_batches):
+            t.model.set_requires_gradient_sync(i == last or not defer)
+            batch = to_device(mb, t.device)
+            losses, metrics = self.scored(batch, row_counts[i].to(t.device))
+            if scale is None:
+                pending.wait()
+                # The mean over the step's pairs on every rank: FSDP2 averages the gradients over dp.
+                scale = t.dims.dp / counts[3].clamp(min=1).to(torch.float32)
+            (losses.sum() * scale).backward()
+            sums[0] += losses.detach().sum()
+            sums[1:] += metrics.sum(dim=0)
+            t.after_micro_batch(i, last=i == last)
+        return {"loss_sum": sums, "objective": sums, "counts": counts}
+
+
+def metrics_of(sums: list[float], pairs: int) -> dict[str, float]:
+    """A step's (or an evaluation's) preference metrics: the means over its pairs."""
+    n = max(pairs, 1)
+    return {name: value / n for name, value in zip(METRIC_NAMES, sums, strict=True)}
+
+
+def evaluate_pairs(step_obj: PreferenceStep, val_data, *, step: int) -> dict | None:
+    """The validation split's preference loss and metrics at this step: means over its pairs.
+
+    As ``validate.evaluate``: every dp rank runs its share (filler micro-batches carry no targets
+    and count nothing), no gradient, dropout off, the RNG states restored afterwards.
+    """
+    from .rng import rng_state, set_rng_state
+
+    if val_data is None:
+        return None
+    t = step_obj.trainer
+    saved_rng = rng_state(t.device_type)
+    was_training = t.model.training
+    t.model.eval()
+    sums = torch.zeros(2 + len(METRIC_NAMES), dtype=torch.float32, device=t.device)  # pairs, loss, metrics
+    try:
+        with torch.no_grad():
+            for mb in val_data:
+                counts = answer_counts(mb["labels"])
+                losses, metrics = step_obj.scored(to_device(mb, t.device), counts.to(t.device))
+                if not int(counts.sum()):
+                    continue  # a filler: the forwards ran for FSDP's collectives, nothing to count
+                sums[0] += pair_count(mb)
+                sums[1] += losses.sum()
+                sums[2:] += metrics.sum(dim=0)
+    finally:
+        t.model.train(was_training)
+        set_rng_state(saved_rng, t.device_type)
+    dist.all_reduce(sums, group=t.dp_group)
+    pairs, loss, *metric_sums = sums.tolist()
+    record = {
+        "step": step,
+        "split": "val",
+        "loss": loss / pairs if pairs else float("nan"),
+        "pairs": int(pairs),
+    }
+    record.update(metrics_of(metric_sums, int(pairs)))
+    return record
