@@ -1286,13 +1286,13 @@ class Recipe(Section):
                 "training.stage: dpo on synthetic data has no validation pairs; remove "
                 "data.dataset_param.basic_parameters.val_size or train on a pair dataset"
             )
-        if self.model.lora is not None and self.model.lora.modules_to_save and self.training.dpo.needs_reference:
-            if self.training.dpo.ref_model is None:
-                raise ValueError(
-                    "training.stage: dpo with LoRA compares with the base (adapters off), but "
-                    "model.lora.modules_to_save trains modules of the base itself; set training.dpo.ref_model "
-                    "to the starting model directory, or remove modules_to_save"
-                )
+        lora, dpo = self.model.lora, self.training.dpo
+        if lora is not None and lora.modules_to_save and dpo.needs_reference and dpo.ref_model is None:
+            raise ValueError(
+                "training.stage: dpo with LoRA compares with the base (adapters off), but "
+                "model.lora.modules_to_save trains modules of the base itself; set training.dpo.ref_model "
+                "to the starting model directory, or remove modules_to_save"
+            )
         return self
 
     @model_validator(mode="after")

@@ -52,8 +52,9 @@ class LossHead(nn.Linear):
         if self.bias is not None:
             raise ValueError("the chunked loss head does not support a bias")
         if logps:
-            # Preference training: each target's log-probability (0 where ignored), chunked the same way.
-            return token_logps(hidden, self.weight, labels, self.chunk_size)
+            # Preference training: each row's summed target log-probabilities, chunked the same way
+            # (a new tensor, not a view: FSDP2 hooks the module's output for the backward).
+            return token_logps(hidden, self.weight, labels, self.chunk_size).sum(dim=-1)
         return cross_entropy_sum(hidden, self.weight, labels, self.chunk_size, token_weights)
 
 
@@ -141,7 +142,7 @@ class Mistral3ForTraining(Mistral3ForConditionalGeneration):
         if sequence_logps:
             if cu_seqlens is not None or sample_weights is not None:
                 raise ValueError("sequence_logps needs an unpacked, unweighted batch (one sequence per row)")
-            return self.lm_head(hidden[:, :-1], targets, logps=True).sum(dim=-1)
+            return self.lm_head(hidden[:, :-1], targets, logps=True)
         weights = None
         if sample_weights is not None:
             weights = sample_weights.to(torch.float32)

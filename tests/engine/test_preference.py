@@ -30,7 +30,12 @@ BETA = 0.3
 def models(tmp_path_factory):
     policy_dir = tmp_path_factory.mktemp("dpo-policy")
     reference_dir = tmp_path_factory.mktemp("dpo-reference")
-    return policy_dir, write_tiny_model(policy_dir, seed=0), reference_dir, write_tiny_model(reference_dir, seed=5)
+    return (
+        policy_dir,
+        write_tiny_model(policy_dir, seed=0),
+        reference_dir,
+        write_tiny_model(reference_dir, seed=5),
+    )
 
 
 def pair_batches(micro_batch_size=2, accumulation=2, dp_rank=0, dp_size=1) -> list[dict]:
@@ -133,7 +138,10 @@ def test_each_loss_equals_its_formula_with_a_different_reference(models, tmp_pat
     if "gamma" in opts:
         overrides.append(f"training.dpo.simpo_gamma={opts['gamma']}")
     if "chunk" in opts:
-        overrides += ["features.enable_chunk_loss=true", f"features.chunkloss_plan.chunk_size={opts['chunk']}"]
+        overrides += [
+            "features.enable_chunk_loss=true",
+            f"features.chunkloss_plan.chunk_size={opts['chunk']}",
+        ]
     batches = pair_batches()
     assert any("pixel_values" in b for b in batches), "the pairs must carry images"
 
@@ -160,7 +168,7 @@ def test_each_loss_equals_its_formula_with_a_different_reference(models, tmp_pat
         out = trainer.forward_backward(batches)
         sums, pairs = out["objective"].tolist(), int(out["counts"][3])
         assert pairs == 4
-        assert sums[0] / pairs == pytest.approx(float(want), rel=1e-5, abs=1e-6)
+        assert sums[0] / pairs == pytest.approx(want.item(), rel=1e-5, abs=1e-6)
         got_metrics = dict(zip(want_metrics, [v / pairs for v in sums[1:5]], strict=True))
         for name, value in want_metrics.items():
             # A reward is beta x a difference of two log-prob sums near -200, whose fp32 spacing is
@@ -220,7 +228,9 @@ def test_token_logps_chunked_equals_plain_forward_and_backward():
 def test_recipe_rules(models, tmp_path):
     policy_dir = models[0]
     with pytest.raises(UserError, match="uses no reference model"):
-        dpo_recipe(policy_dir, tmp_path / "a", ["training.dpo.loss=simpo", f"training.dpo.ref_model={policy_dir}"])
+        dpo_recipe(
+            policy_dir, tmp_path / "a", ["training.dpo.loss=simpo", f"training.dpo.ref_model={policy_dir}"]
+        )
     with pytest.raises(UserError, match="packing"):
         dpo_recipe(policy_dir, tmp_path / "b", ["data.dataset_param.basic_parameters.packing=true"])
     with pytest.raises(UserError, match="loss_type"):
