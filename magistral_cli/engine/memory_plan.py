@@ -7,14 +7,16 @@ really allocates; each formula says where the bytes come from.
 
 Notation: ``p`` bytes per element of ``fsdp_plan.param_dtype`` (the all-gathered compute copy;
 fp32 when unset), ``r`` of ``reduce_dtype``, ``W`` the FSDP group size (dp x cp), ``T`` the
-tokens of one micro-batch on one rank (``micro_batch_size x cutoff_len / cp``), ``N = T - mb``
-the tokens whose next token is predicted, ``V`` the vocabulary, ``H`` the hidden size.
+tokens of one micro-batch on one rank (``micro_batch_size x cutoff_len / cp``; ``training.stage:
+dpo`` counts 2 sequences per pair), ``N = T - rows`` the tokens whose next token is predicted, ``V`` the vocabulary, ``H`` the hidden size.
 
 Persistent, on the device (per rank, the largest rank: FSDP2 gives every rank
 ``ceil(dim0 / W)`` rows of each parameter, padded, so rank 0's shard is the largest):
 
 - **parameter shards**: fp32 master weights (``build_model`` builds in fp32), frozen ones included:
   ``4 x sum ceil(dim0 / W) x rest``.
+- **reference model shards** (``training.stage: dpo`` with a reference model beside the policy):
+  every base parameter's shard in ``p`` bytes; none for the LoRA base (adapters off), orpo, simpo.
 - **gradient shards**: FSDP2 reduce-scatters into one flat buffer per unit in the parameters'
   dtype (fp32), trainable parameters only: ``4 x trainable shard``.
 - **optimizer states**: AdamW's ``exp_avg`` and ``exp_avg_sq``, fp32: ``8 x trainable shard``.
@@ -170,6 +172,11 @@ class PlanSettings:
     param_dtype: str | None = "fp32"
     reduce_dtype: str | None = "fp32"
     micro_batch_size: int = 1
+    #: Sequences per sample: 2 under ``training.stage: dpo`` (a pair's chosen and rejected rows).
+    sequences_per_sample: int = 1
+    #: Preference training's reference: "model" (a frozen copy held beside the policy), "adapters off"
+    #: (the LoRA base itself), or None (none: sft, orpo, simpo).
+    reference: str | None = None
     cutoff_len: int = 2048
     gradient_accumulation_steps: int = 1
     chunk_size: int | None = None
@@ -316,8 +323,9 @@ def _item(key: str, name: str, nbytes, phases, formula: str, where: str = "devic
 
 def micro_batch_tokens(s: PlanSettings) -> tuple[int, int]:
     """(``T``, ``N``): one micro-batch's tokens on one rank and those whose next token is predicted."""
-    tokens = s.micro_batch_size * math.ceil(s.cutoff_len / s.cp)
-    return tokens, max(1, tokens - s.micro_batch_size)
+    rows = s.micro_batch_size * s.sequences_per_sample
+    tokens = rows * math.ceil(s.cutoff_len / s.cp)
+    return tokens, max(1, tokens - rows)
 
 
 def parameter_shards(shape: ModelShape, s: PlanSettings) -> MemoryItem:
@@ -339,6 +347,24 @@ def parameter_shards(shape: ModelShape, s: PlanSettings) -> MemoryItem:
         PHASES,
         f"4 B x {shape.trainable_shard_numel:,} trainable + {fb} B x {frozen_shard:,} frozen",
     )
+
+
+def reference_shards(shape: ModelShape, s: PlanSettings) -> list[MemoryItem]:
+    """Preference training's frozen reference model: every base parameter's shard in the compute
+    dtype (``param_dtype``; the trainer casts it, FSDP2 would cast to it anyway). Its no-grad
+    forward runs before the policy's and frees what it made, so it adds no activations at the peak."""
+    if s.reference != "model":
+        return []
+    numel = shape.shard_numel - (shape.trainable_shard_numel if shape.lora is not None else 0)
+    return [
+        _item(
+            "reference_shards",
+            f"reference model shards ({s.param_dtype or 'fp32'}, frozen)",
+            s.p * numel,
+            PHASES,
+            f"{s.p} B x {numel:,}",
+        )
+    ]
 
 
 def gradient_shards(shape: ModelShape, s: PlanSettings) -> MemoryItem:
@@ -523,6 +549,13 @@ def plan_notes(shape: ModelShape, s: PlanSettings) -> list[str]:
             f"(fp32 masters, gradients, AdamW states); the {shape.frozen:,} frozen parameters are held in "
             f"{s.frozen_param_dtype or 'fp32'} with no master copy, gradient or optimizer state"
         )
+    if s.sequences_per_sample == 2:
+        where = {
+            "model": "a frozen reference model is held beside the policy (its forward runs under no_grad first)",
+            "adapters off": "the reference is the LoRA base with its adapters off: no second model",
+            None: "the loss uses no reference model",
+        }[s.reference]
+        notes.append(f"training.stage: dpo: each pair is 2 sequences of up to cutoff_len tokens; {where}")
     if shape.vision_trainable:
         notes.append(
             "the vision tower is trainable: its activations depend on the images and are not counted"
@@ -562,6 +595,7 @@ def estimate(shape: ModelShape, s: PlanSettings) -> MemoryPlan:
     module doc's order, summed per phase; the device peak is the largest phase."""
     items = [
         parameter_shards(shape, s),
+        *reference_shards(shape, s),
         gradient_shards(shape, s),
         *optimizer_items(shape, s),
         all_gather_buffers(shape, s),
@@ -739,6 +773,8 @@ def settings_from_recipe(
         param_dtype=plan.param_dtype,
         reduce_dtype=plan.reduce_dtype,
         micro_batch_size=train.micro_batch_size,
+        sequences_per_sample=2 if train.stage == "dpo" else 1,
+        reference=_reference_kind(recipe),
         cutoff_len=recipe.data.dataset_param.basic_parameters.cutoff_len,
         gradient_accumulation_steps=train.gradient_accumulation_steps,
         chunk_size=feat.chunkloss_plan.chunk_size if feat.enable_chunk_loss else None,
@@ -753,6 +789,16 @@ def settings_from_recipe(
         device_memory_source=source,
         host_memory_bytes=host_memory_bytes() if detected else None,
     )
+
+
+def _reference_kind(recipe) -> str | None:
+    """``PlanSettings.reference`` of a recipe (``engine.preference.reference_source``'s cases)."""
+    train = recipe.training
+    if train.stage != "dpo" or not train.dpo.needs_reference:
+        return None
+    if train.dpo.ref_model is None and recipe.model.lora is not None:
+        return "adapters off"
+    return "model"
 
 
 def plan_recipe(recipe, *, device: str, world_size: int, nproc_per_node: int, detected: bool) -> MemoryPlan:

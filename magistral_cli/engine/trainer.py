@@ -20,6 +20,7 @@ from magistral_cli.ops.attention import resolve_attention
 from magistral_cli.ops.context_parallel import check_cp_model, cp_groups_from_mesh
 from magistral_cli.run_record import record_resolved
 from magistral_cli.runtime import host_to_device, init_distributed, resolve_device_type
+from magistral_cli.runtime.device import parse_dtype
 
 from . import checkpoint as ckpt
 from . import lora as lora_mod
@@ -209,6 +210,11 @@ class Trainer:
         chunk = features.chunkloss_plan.chunk_size if features.enable_chunk_loss else None
         install_loss_head(ref, features.chunkloss_plan.apply_module, chunk)
         ref.requires_grad_(False)
+        # Stored in the compute dtype (parallel.fsdp_plan.param_dtype): FSDP2 casts to it for every
+        # forward anyway, so a bf16 copy computes exactly what an fp32 one would, at half the memory.
+        param_dtype = recipe.parallel.fsdp_plan.param_dtype
+        if param_dtype:
+            lora_mod.cast_frozen_(ref, parse_dtype(param_dtype))
         parallelize_model(
             ref,
             recipe,
