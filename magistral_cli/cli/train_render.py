@@ -56,8 +56,11 @@ def render_memory_plan(plan, console) -> None:
         f"{counts['frozen']:,} frozen"
     )
     s = plan.settings
+    batch = f"{s.micro_batch_size}"
+    if s.sequences_per_sample == 2:
+        batch += f" pair{'s' if s.micro_batch_size > 1 else ''} (2 sequences each)"
     table = Table(
-        title=f"memory plan per rank (world size {s.world_size}, micro-batch {s.micro_batch_size} x "
+        title=f"memory plan per rank (world size {s.world_size}, micro-batch {batch} x "
         f"{s.cutoff_len} tokens, accumulation {s.gradient_accumulation_steps})",
         title_justify="left",
     )
