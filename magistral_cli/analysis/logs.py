@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from magistral_cli.errors import UserError
+from magistral_cli.metric_names import PREFERENCE_METRICS
 
 KNOWN_FORMATS = {
     "run-dir": "a run directory written by `magistral train` (metrics.jsonl, summary.json)",
@@ -77,6 +78,8 @@ class StepRecord:
     peak_allocated_mib: float | None = None
     peak_reserved_mib: float | None = None
     alloc_retries: int | None = None
+    #: Preference training's metrics (``metric_names.PREFERENCE_METRICS``) that the step logged.
+    preference: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -243,6 +246,7 @@ def _read_metrics_jsonl(path: Path) -> RunLog:
                 peak_allocated_mib=_number(record.get("peak_allocated_mib")),
                 peak_reserved_mib=_number(record.get("peak_reserved_mib")),
                 alloc_retries=None if retries is None or math.isnan(retries) else int(retries),
+                preference=_preference(record),
             ),
         )
     run = RunLog(path=path, format="metrics-jsonl", steps=dict(sorted(steps.items())), notes=notes)
@@ -255,6 +259,12 @@ def _read_metrics_jsonl(path: Path) -> RunLog:
     run.alloc_retries = max(retries) if retries else None
     run.wall_s = _read_wall_s(path.parent / "summary.json")
     return run
+
+
+def _preference(record: dict) -> dict[str, float]:
+    """The preference metrics a metrics.jsonl line holds (finite numbers only)."""
+    values = {name: _number(record.get(name)) for name in PREFERENCE_METRICS}
+    return {name: v for name, v in values.items() if v is not None and math.isfinite(v)}
 
 
 def _count(value) -> int | None:

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from magistral_cli.errors import UserError
+from magistral_cli.metric_names import PREFERENCE_METRICS
 
 from .logs import RunLog, ValRecord
 
@@ -172,6 +173,7 @@ def compare_runs(
     step_time = _step_time_report(steps, b_rec, c_rec, criteria, warnings, failures)
     throughput = _throughput_report(steps, b_rec, c_rec, criteria["skip_steps"])
     validation = _validation_report(baseline, candidate, criteria["loss_threshold"], warnings, failures)
+    preference = _preference_report(steps, b_rec, c_rec, warnings)
 
     report = {
         "baseline": baseline.describe(),
@@ -182,6 +184,7 @@ def compare_runs(
         "step_time_ms": step_time,
         "throughput": throughput,
         "validation": validation,
+        "preference": preference,
         "memory_mib": {
             "baseline": {
                 "peak_allocated": baseline.peak_allocated_mib,
@@ -219,6 +222,35 @@ def compare_runs(
         baseline_val={s: _nan_if_none(r.loss) for s, r in baseline.val_steps.items()},
         candidate_val={s: _nan_if_none(r.loss) for s, r in candidate.val_steps.items()},
     )
+
+
+def _preference_report(steps, b_rec, c_rec, warnings) -> dict | None:
+    """Preference training's metrics side by side (reported, not judged): each metric's mean over the
+    compared steps and its value at the last one, per run. None when neither run logged them; a
+    warning when only one did (an SFT run compared with a DPO run)."""
+    logged = {
+        side: [name for name in PREFERENCE_METRICS if any(name in r.preference for r in records)]
+        for side, records in (("baseline", b_rec), ("candidate", c_rec))
+    }
+    if not logged["baseline"] and not logged["candidate"]:
+        return None
+    for side, other in (("baseline", "candidate"), ("candidate", "baseline")):
+        if logged[side] and not logged[other]:
+            warnings.append(
+                f"the {side} logs preference metrics (training.stage: dpo) and the {other} does not: "
+                "the losses of the two runs measure different things"
+            )
+    report: dict[str, dict] = {}
+    for name in PREFERENCE_METRICS:
+        row = {}
+        for side, records in (("baseline", b_rec), ("candidate", c_rec)):
+            values = [
+                (s, r.preference[name]) for s, r in zip(steps, records, strict=True) if name in r.preference
+            ]
+            row[side] = statistics.fmean(v for _, v in values) if values else None
+            row[f"{side}_last"] = values[-1][1] if values else None
+        report[name] = row
+    return report
 
 
 def _loss_report(steps, b_rec, c_rec, threshold, warnings, failures, *, what: str = "loss") -> dict:

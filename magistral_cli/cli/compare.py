@@ -155,6 +155,7 @@ def _render(result: Comparison) -> None:
     table.add_row("loss: rel. error max", "", _fmt(loss["relative_error_max"], ".4%"), where)
     _nonfinite_row(table, "loss", loss)
     _validation_rows(table, r.get("validation"))
+    _preference_rows(table, r.get("preference"))
     b, c = times["baseline"] or {}, times["candidate"] or {}
     for stat in ("mean", "median", "p95"):
         table.add_row(f"step time {stat} (ms)", _fmt(b.get(stat), ".1f"), _fmt(c.get(stat), ".1f"), "")
@@ -173,6 +174,17 @@ def _render(result: Comparison) -> None:
     for failure in r["failures"]:
         console.print(f"[red]fail:[/] {escape(failure)}", soft_wrap=True)
     console.print("[bold green]PASS[/]" if result.passed else "[bold red]FAIL[/]")
+
+
+def _preference_rows(table: Table, preference: dict | None) -> None:
+    """Preference training's metrics (means over the compared steps): only when a run logged them."""
+    if not preference:
+        return
+    for name, row in preference.items():
+        if row["baseline"] is None and row["candidate"] is None:
+            continue
+        spec = ".2%" if name == "rewards/accuracy" else ".4f"
+        table.add_row(f"{name} (mean)", _fmt(row["baseline"], spec), _fmt(row["candidate"], spec), "")
 
 
 def _throughput_rows(table: Table, throughput: dict | None) -> None:

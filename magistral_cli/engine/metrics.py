@@ -14,14 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from magistral_cli.data.collator import sequence_lengths
+from magistral_cli.metric_names import PREFERENCE_METRICS
 from magistral_cli.model_config import training_flops
 from magistral_cli.run_record import write_json, write_text_atomic
 from magistral_cli.runtime import device_module, device_peak_tflops
 
 log = logging.getLogger(__name__)
-
-#: The metric-name prefixes of preference training (``ops.preference_loss.METRIC_NAMES``).
-PREFERENCE_PREFIXES = ("rewards/", "logps/")
 
 FIELDS = (
     "step",
@@ -198,7 +196,7 @@ class MetricsFile:
         else:
             line = {k: _strict(record.get(k)) for k in FIELDS}
             # Preference training's metrics (trl's names: rewards/..., logps/...) follow the fields.
-            line.update({k: _strict(v) for k, v in record.items() if k.startswith(PREFERENCE_PREFIXES)})
+            line.update({k: _strict(record[k]) for k in PREFERENCE_METRICS if k in record})
             if record.get("skipped"):
                 line["skipped"] = True
         self._append(json.dumps(line, allow_nan=False) + "\n")

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from magistral_cli.metric_names import PREFERENCE_METRICS
+
 from .chunked_loss import IGNORE_INDEX
 
 
@@ -86,15 +88,8 @@ def token_logps(
     return ChunkedTokenLogps.apply(hidden.contiguous(), weight, labels, chunk_size).reshape(shape)
 
 
-#: The per-step metrics of preference training, trl's names, in the order ``pair_metrics`` stacks them.
-METRIC_NAMES = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracy",
-    "rewards/margin",
-    "logps/chosen",
-    "logps/rejected",
-)
+#: The per-pair metrics ``PreferenceLoss`` returns, in this order (trl's names).
+METRIC_NAMES = PREFERENCE_METRICS
 
 
 @dataclass(frozen=True)
