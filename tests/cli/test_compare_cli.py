@@ -61,7 +61,7 @@ def test_pass_with_json_shape(runs):
     report = json.loads(result.stdout)  # stdout holds the JSON object and nothing else
     assert list(report) == [
         "baseline", "candidate", "steps_compared", "criteria", "loss", "step_time_ms", "throughput",
-        "validation", "memory_mib", "alloc_retries", "wall_s", "warnings", "failures", "pass",
+        "validation", "preference", "memory_mib", "alloc_retries", "wall_s", "warnings", "failures", "pass",
     ]  # fmt: skip
     # these runs' metrics.jsonl predate tflops_per_gpu / mfu: nothing to report, no table row
     assert report["throughput"]["baseline"] is None and report["throughput"]["candidate"] is None
