@@ -18,8 +18,8 @@ SHIPPED = sorted((REPO / "recipes").rglob("*.yaml"))
 def test_fixture_sets_are_complete():
     assert len(SEED_CONFIGS) == 4
     assert {p.parent.name for p in SHIPPED} == {"magistral-small-2509", "tiny"}
-    # The seed's four ported configs and the LoRA recipe.
-    assert len([p for p in SHIPPED if p.parent.name == "magistral-small-2509"]) == 5
+    # The seed's four ported configs, the LoRA recipe and the DPO recipe.
+    assert len([p for p in SHIPPED if p.parent.name == "magistral-small-2509"]) == 6
 
 
 @pytest.mark.parametrize("path", SEED_CONFIGS, ids=lambda p: p.name)
