@@ -67,7 +67,7 @@ def preprocess(
     dataset = result.dataset
     if result.reused:
         console.print(f"[green]cache hit:[/] reusing {dataset.path} (same dataset, tokenizer and parameters)")
-    report = with_split(result.report, loaded, len(dataset))
+    report = with_split(result.report, loaded, dataset.num_units)
     render_report(report, console, entry=str(dataset.path), reused=result.reused)
 
     inspected = inspect_samples(dataset, plan.tokenizer, inspect) if inspect else []

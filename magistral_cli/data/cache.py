@@ -13,6 +13,10 @@ An entry lives in ``<cache_dir>/magistral-<fingerprint[:16]>/``::
     drops.jsonl          one line per dropped row: index, reason, detail
     report.json          the preprocessing report
 
+An entry of preference pairs (``training.stage: dpo``; meta.json's ``pairs`` true, ``num_pairs``)
+has the same files: pair ``k`` is sample ``2k`` (the prompt with the chosen answer) and sample
+``2k + 1`` (with the rejected one), both from the same row.
+
 The fingerprint is the SHA-256 of the dataset file's contents, the tokenizer and processor
 files, every parameter that changes the encoding, and the format version: any change makes
 a new entry, the same inputs find the old one. An entry is written into a temporary folder
@@ -49,7 +53,7 @@ from magistral_cli.checkpoint.integrity import DIGEST, describe_file, file_diges
 from magistral_cli.checkpoint.staging import current_umask
 from magistral_cli.errors import CheckFailed
 
-from .encoder import EncodedSample
+from .encoder import EncodedPair, EncodedSample
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +94,7 @@ class CacheWriter:
         self.truncated = 0
         self.label_tokens = 0
         self.drops: list[dict] = []
+        self.pairs = 0  # preference pairs added (each is two samples)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -104,6 +109,14 @@ class CacheWriter:
         self.images.extend(sample.images)
         self.truncated += int(sample.truncated)
         self.label_tokens += int((sample.labels != -100).sum())
+
+    def add_pair(self, pair: EncodedPair) -> None:
+        """A preference pair as two adjacent samples: ``2k`` chosen, ``2k + 1`` rejected."""
+        if len(self) != 2 * self.pairs:
+            raise ValueError("a cache entry holds samples or pairs, not both")
+        self.add(pair.chosen)
+        self.add(pair.rejected)
+        self.pairs += 1
 
     def drop(self, index: int, reason: str, detail: str) -> None:
         self.drops.append({"index": index, "reason": reason, "detail": detail})
@@ -244,7 +257,18 @@ class EncodedDataset:
         return state
 
     def __len__(self) -> int:
+        """Samples (sequences): a pair entry holds two per pair."""
         return int(self.meta["num_samples"])
+
+    @property
+    def pairs(self) -> bool:
+        """Whether the entry holds preference pairs (sample ``2k`` chosen, ``2k + 1`` rejected)."""
+        return bool(self.meta.get("pairs", False))
+
+    @property
+    def num_units(self) -> int:
+        """What the split and the samplers count: pairs in a pair entry, else samples."""
+        return int(self.meta["num_pairs"]) if self.pairs else len(self)
 
     @property
     def lengths(self) -> np.ndarray:

@@ -94,6 +94,34 @@ class PixtralCollator:
         return out
 
 
+class PairCollator:
+    """Preference pairs as one ordinary unpacked batch of ``2B`` rows.
+
+    Each item is ``{"chosen": item, "rejected": item}`` (``loader.TrainDataset`` of a pair entry).
+    Rows ``0..B-1`` are the chosen sequences of pairs ``0..B-1``, rows ``B..2B-1`` the rejected
+    sequences of the same pairs in the same order: exactly what ``collator`` makes of the list
+    ``[chosen_0, ..., chosen_{B-1}, rejected_0, ..., rejected_{B-1}]``, so ``pixel_values`` and
+    ``image_sizes`` follow that row order (a pair's prompt images appear twice).
+    """
+
+    def __init__(self, collator: PixtralCollator):
+        if collator.segments is not None:
+            raise ValueError("preference pairs are not packed (segments must be None)")
+        self.collator = collator
+
+    def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
+        return self.collator([item["chosen"] for item in items] + [item["rejected"] for item in items])
+
+
+def pair_rows(batch: dict) -> int:
+    """B, the pairs in a micro-batch of preference pairs (``PairCollator``): its rows are ``2B``,
+    chosen rows ``[:B]``, rejected rows ``[B:]``."""
+    rows = int(batch["input_ids"].shape[0])
+    if rows % 2:
+        raise ValueError(f"a batch of preference pairs has an even number of rows, not {rows}")
+    return rows // 2
+
+
 def sequence_lengths(attention_mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> list[int]:
     """The real-token lengths of a micro-batch's causal sequences (host tensors, no device work).
 

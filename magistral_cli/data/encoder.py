@@ -19,6 +19,10 @@ both markers as control tokens, as mistral-common's v13 encodes a ``ThinkChunk``
 ignored, markers included, with ``train_on_reasoning: false``. Reasoning with a tokenizer that
 cannot encode it (older than v13) stops preprocessing with a ``UserError`` naming the row: the
 reasoning would otherwise become text the model never learnt to write.
+
+A preference pair (``data/pairs.py``, ``training.stage: dpo``) encodes its prompt once and gives two
+samples, the prompt with the chosen answer and with the rejected one (:class:`EncodedPair`); see
+``Encoder._pair`` for its truncation.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import numpy as np
 from magistral_cli.errors import UserError
 
 from . import template
+from .pairs import normalize_pair
 from .pixtral import ImageSettings, ImageSizeError, image_token_ids, open_image_size, plan_image
 from .readers import Conversation, Drop, RecordFormat, RowSource, iter_segments, normalize_record
 from .tokenizer import SpecialIds, TekkenTokenizer
@@ -90,6 +95,14 @@ class EncodedSample:
     reasoning_tokens: int = 0  # tokens of its [THINK] ... [/THINK] spans (markers included), after truncation
 
 
+@dataclass
+class EncodedPair:
+    """A preference pair: the prompt with its chosen answer, and the same prompt with the rejected one."""
+
+    chosen: EncodedSample
+    rejected: EncodedSample
+
+
 def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple[int, int]:
     """LLaMA-Factory's split of the remaining budget between a turn's prompt and response."""
     if target_len * 2 < cutoff_len:
@@ -128,22 +141,29 @@ def truncate_pairs(
         source, target, mask = source[:source_len], target[:target_len], mask[:target_len]
         total += source_len + target_len
         kept_reasoning += sum(mask)
-        source_label = list(source) if params.train_on_prompt else [IGNORE_INDEX] * source_len
-        if params.mask_history and turn != 0:
-            target_label = [IGNORE_INDEX] * target_len
-        elif params.train_on_reasoning:
-            target_label = list(target)
-        else:
-            target_label = [
-                IGNORE_INDEX if masked else token for token, masked in zip(target, mask, strict=True)
-            ]
+        turn_labels = _turn_labels(source, target, mask, params, history=params.mask_history and turn != 0)
         if params.mask_history:
             input_ids = source + target + input_ids
-            labels = source_label + target_label + labels
+            labels = turn_labels + labels
         else:
             input_ids += source + target
-            labels += source_label + target_label
+            labels += turn_labels
     return input_ids, labels, kept_reasoning
+
+
+def _turn_labels(
+    source: list[int], target: list[int], mask: list[bool], params: EncodeParams, *, history: bool
+) -> list[int]:
+    """The labels of one (prompt, response) turn: the prompt's ignored unless ``train_on_prompt``;
+    the response's ignored in a ``history`` turn, and its reasoning unless ``train_on_reasoning``."""
+    source_label = list(source) if params.train_on_prompt else [IGNORE_INDEX] * len(source)
+    if history:
+        target_label = [IGNORE_INDEX] * len(target)
+    elif params.train_on_reasoning:
+        target_label = list(target)
+    else:
+        target_label = [IGNORE_INDEX if masked else token for token, masked in zip(target, mask, strict=True)]
+    return source_label + target_label
 
 
 #: Part of the cache fingerprint: bump it when the same inputs would encode differently, so that
@@ -247,11 +267,13 @@ class Encoder:
         return plan.height, plan.width
 
     # -- rows ----------------------------------------------------------------------------------
-    def encode_rows(self, rows: list[RowSource]) -> list[EncodedSample | Drop]:
-        """Encode a batch of rows (text of the whole batch is tokenized in one call)."""
+    def encode_rows(self, rows: list[RowSource]) -> list[EncodedSample | EncodedPair | Drop]:
+        """Encode a batch of rows (text of the whole batch is tokenized in one call): samples, or
+        preference pairs when the format has ``pair_columns`` (training.stage: dpo)."""
         markers = self._think_ids is not None
+        normalize = normalize_pair if self.fmt.pair_columns is not None else normalize_record
         convs: list[Conversation | Drop] = [
-            normalize_record(row, self.fmt, self.dataset_dir, think_markers=markers) for row in rows
+            normalize(row, self.fmt, self.dataset_dir, think_markers=markers) for row in rows
         ]
         sizes: list[list[tuple[int, int]] | Drop | None] = []
         notes: list[tuple[Counter, int] | None] = []
@@ -289,6 +311,7 @@ class Encoder:
             for _, prompt, response in conv.turns:
                 data_texts.extend(piece for piece in iter_segments(prompt) if piece is not None)
                 data_texts.extend(part.text for part in response)
+            data_texts.extend(part.text for part in conv.rejected or ())
             if self._text_is_text:
                 for text in data_texts:
                     self._count_control_strings(text, found)
@@ -321,7 +344,7 @@ class Encoder:
 
     def _assemble(
         self, index: int, conv: Conversation, image_sizes, encoded, found: Counter, outside: int
-    ) -> EncodedSample | Drop:
+    ) -> EncodedSample | EncodedPair | Drop:
         special, tp = self.special, self.settings.token_pixels
         # Every text is consumed from ``encoded`` before any return, so that the next sample's
         # texts stay aligned; the first problem found is the sample's drop.
@@ -351,38 +374,61 @@ class Encoder:
             source = template.prompt_ids(special, role, content)
             if turn == 0:
                 source = template.prefix_ids(special, system_ids) + source
-            target: list[int] = []
-            in_reasoning: list[bool] = []
-            for part in response:
-                if part.thinking:
-                    ids = template.reasoning_ids(
-                        self._think_ids, data_ids(f"assistant turn {turn}'s reasoning")
-                    )
-                else:
-                    ids = data_ids(f"assistant turn {turn}")
-                target += ids
-                in_reasoning += [part.thinking] * len(ids)
-            target = template.response_ids(special, target)
-            in_reasoning += [False] * (len(target) - len(in_reasoning))
+            target, in_reasoning = self._response_ids(response, f"assistant turn {turn}", data_ids)
             pairs.append((source, target))
             reasoning.append(in_reasoning)
+        rejected = None
+        if conv.rejected is not None:
+            rejected = self._response_ids(conv.rejected, "the rejected answer", data_ids)
         if problem is not None:
             return problem
+        if rejected is not None:
+            return self._pair(index, conv, image_sizes, pairs, reasoning, rejected, found, outside)
+        return self._sample(index, conv, image_sizes, pairs, reasoning, found, outside)
 
+    def _response_ids(self, response, where: str, data_ids) -> tuple[list[int], list[bool]]:
+        """An assistant turn's ids (end-of-sequence included) and which of them are reasoning."""
+        target: list[int] = []
+        in_reasoning: list[bool] = []
+        for part in response:
+            if part.thinking:
+                ids = template.reasoning_ids(self._think_ids, data_ids(f"{where}'s reasoning"))
+            else:
+                ids = data_ids(where)
+            target += ids
+            in_reasoning += [part.thinking] * len(ids)
+        target = template.response_ids(self.special, target)
+        in_reasoning += [False] * (len(target) - len(in_reasoning))
+        return target, in_reasoning
+
+    def _image_tokens_cut(
+        self, full: list[int], kept: list[int] | np.ndarray, full_length: int
+    ) -> Drop | None:
+        """The drop when ``kept`` (a truncation of ``full``) lost image tokens of any kind."""
+        full_array = np.asarray(full, dtype=np.int32)
+        kept_array = np.asarray(kept, dtype=np.int32)
+        # Compare every image token kind: cutting right before [IMG_END] keeps the [IMG] count.
+        for token in self._image_ids:
+            if int((full_array == token).sum()) != int((kept_array == token).sum()):
+                return Drop(
+                    "image_tokens_truncated",
+                    f"the sample has {full_length} tokens; cutoff_len {self.params.cutoff_len} would cut its "
+                    "image tokens (raise cutoff_len or lower image_max_pixels)",
+                )
+        return None
+
+    def _sample(
+        self, index: int, conv: Conversation, image_sizes, pairs, reasoning, found: Counter, outside: int
+    ) -> EncodedSample | Drop:
+        """One SFT sample from its (prompt, response) id pairs: truncated, checked, labelled."""
         full_length = sum(len(s) + len(t) for s, t in pairs)
         input_ids, labels, reasoning_tokens = truncate_pairs(pairs, self.params, reasoning)
-        ids = np.asarray(input_ids, dtype=np.int32)
         truncated = len(input_ids) < full_length
         if truncated:
-            # Compare every image token kind: cutting right before [IMG_END] keeps the [IMG] count.
-            full = np.fromiter((t for s, tg in pairs for t in (*s, *tg)), dtype=np.int32, count=full_length)
-            for token in self._image_ids:
-                if int((full == token).sum()) != int((ids == token).sum()):
-                    return Drop(
-                        "image_tokens_truncated",
-                        f"the sample has {full_length} tokens; cutoff_len {self.params.cutoff_len} would cut its "
-                        "image tokens (raise cutoff_len or lower image_max_pixels)",
-                    )
+            full = [t for s, tg in pairs for t in (*s, *tg)]
+            problem = self._image_tokens_cut(full, input_ids, full_length)
+            if problem is not None:
+                return problem
         label_array = np.asarray(labels, dtype=np.int32)
         if not (label_array != IGNORE_INDEX).any():
             return Drop(
@@ -390,7 +436,7 @@ class Encoder:
                 f"the prompt fills cutoff_len {self.params.cutoff_len}; nothing left to train on",
             )
         return EncodedSample(
-            input_ids=ids,
+            input_ids=np.asarray(input_ids, dtype=np.int32),
             labels=label_array,
             images=list(conv.images),
             image_sizes=np.asarray(image_sizes, dtype=np.int32).reshape(-1, 2),
@@ -400,3 +446,64 @@ class Encoder:
             outside_images=outside,
             reasoning_tokens=reasoning_tokens,
         )
+
+    def _pair(
+        self,
+        index: int,
+        conv: Conversation,
+        image_sizes,
+        pairs,
+        reasoning,
+        rejected,
+        found: Counter,
+        outside: int,
+    ) -> EncodedPair | Drop:
+        """A preference pair's two samples: the prompt (every turn before the last response) with
+        the chosen answer, and with the rejected one.
+
+        The prompt is one source for both: cutoff_len is split between it and the longer answer
+        (``infer_seqlen``, as LLaMA-Factory's pairwise encoding does), so both sides keep the same
+        prompt tokens and their answers the same budget. Earlier assistant turns of the prompt are
+        context (labels ignored unless ``train_on_prompt``); a one-turn prompt gives each side
+        exactly the SFT sample of that conversation when nothing is cut.
+        """
+        prompt = [t for s, tg in pairs[:-1] for t in (*s, *tg)] + pairs[-1][0]
+        answers = {"chosen": (pairs[-1][1], reasoning[-1]), "rejected": rejected}
+        longest = max(len(ids) for ids, _ in answers.values())
+        prompt_len, answer_len = infer_seqlen(len(prompt), longest, self.params.cutoff_len)
+        full_length = len(prompt) + longest
+        kept_prompt = prompt[:prompt_len]
+        if prompt_len < len(prompt):
+            problem = self._image_tokens_cut(prompt, kept_prompt, full_length)
+            if problem is not None:
+                return problem
+        if answer_len == 0:
+            return Drop(
+                "answer_truncated",
+                f"the prompt has {len(prompt)} tokens and the longer answer {longest}; cutoff_len "
+                f"{self.params.cutoff_len} would keep no token of the answers (raise cutoff_len or shorten the prompt)",
+            )
+        sides = {}
+        for side, (target, mask) in answers.items():
+            target, mask = target[:answer_len], mask[:answer_len]
+            labels = _turn_labels(kept_prompt, target, mask, self.params, history=False)
+            if all(label == IGNORE_INDEX for label in labels):
+                return Drop(
+                    "no_label_tokens",
+                    f"the {side} answer keeps only reasoning within cutoff_len {self.params.cutoff_len} "
+                    "(train_on_reasoning: false): nothing left to train on",
+                )
+            sides[side] = EncodedSample(
+                input_ids=np.asarray(kept_prompt + target, dtype=np.int32),
+                labels=np.asarray(labels, dtype=np.int32),
+                images=list(conv.images),
+                image_sizes=np.asarray(image_sizes, dtype=np.int32).reshape(-1, 2),
+                source_index=index,
+                truncated=prompt_len < len(prompt) or answer_len < len(answers[side][0]),
+                # The row's notes (its texts' control tokens, its images outside dataset_dir) go
+                # with the chosen sample alone, so that the report counts each row once.
+                text_control_tokens=dict(found) if side == "chosen" else {},
+                outside_images=outside if side == "chosen" else 0,
+                reasoning_tokens=sum(mask),
+            )
+        return EncodedPair(**sides)

@@ -17,6 +17,11 @@ With ``data.dataset_param.basic_parameters.val_size`` the encoded samples are sp
 sampler shuffles or packing plans anything: the training loader reads only the training samples,
 the validation batches only the validation samples. Without ``val_size`` the training loader is
 what it was (the same sampler length, samples and order).
+
+Preference pairs (``training.stage: dpo``, a pair cache entry): the split, the samplers and the
+validation share count pairs, and a micro-batch of ``B = training.micro_batch_size`` pairs is an
+ordinary unpacked SFT batch of ``2B`` rows, the chosen sequences of the B pairs first, then their
+rejected sequences in the same order (``collator.PairCollator``; ``collator.pair_rows``).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import numpy as np
 from magistral_cli.errors import PATH_ERRNOS, UserError
 
 from .cache import EncodedDataset
-from .collator import COLLATORS, IGNORE_INDEX, PixtralCollator
+from .collator import COLLATORS, IGNORE_INDEX, PairCollator, PixtralCollator
 from .packing import plan_packs, segment_mode
 from .pixtral import ImageChangedError, ImageSettings, ImageSizeError, load_pixel_values
 from .samplers import SAMPLER_TYPES, build_sampler
@@ -75,7 +80,8 @@ def validation_count(n: int, val_size: float | int) -> int:
 
 
 def with_split(report: dict, recipe, kept: int) -> dict:
-    """The report with ``split`` (train / validation sample counts) when the recipe has ``val_size``.
+    """The report with ``split`` (train / validation counts of the ``kept`` samples, or pairs of a
+    pair entry: ``EncodedDataset.num_units``) when the recipe has ``val_size``.
 
     The split is decided when the loaders are built, from ``val_size`` and ``training.seed``, so
     it is not part of the cache entry (nor of its report.json): one entry serves every val_size.
@@ -104,11 +110,12 @@ def split_indices(n: int, val_size: float | int, seed: int) -> tuple[list[int], 
 
 
 def dataset_split(recipe, dataset: EncodedDataset) -> tuple[list[int], list[int]] | None:
-    """``split_indices`` of the recipe's ``val_size`` and ``training.seed``; None without val_size."""
+    """``split_indices`` of the recipe's ``val_size`` and ``training.seed``; None without val_size.
+    A pair entry is split by pairs (the indices are pair indices)."""
     val_size = recipe.data.dataset_param.basic_parameters.val_size
     if not val_size:
         return None
-    return split_indices(len(dataset), val_size, recipe.training.seed)
+    return split_indices(dataset.num_units, val_size, recipe.training.seed)
 
 
 class TrainDataset:
@@ -120,6 +127,10 @@ class TrainDataset:
     (in a pack, the previous sample's last token must not predict it). ``packs``
     hold cache indices; ``indices`` (without packs) makes item ``i`` the cached sample
     ``indices[i]`` (the training samples of a validation split); neither: item ``i`` is sample ``i``.
+
+    In a pair entry (``encoded.pairs``) indices count pairs, and item ``i`` is
+    ``{"chosen": item, "rejected": item}`` of pair ``i`` (or ``indices[i]``), each such a dict
+    (``collator.PairCollator`` batches them); there are no packs.
     """
 
     def __init__(
@@ -129,6 +140,8 @@ class TrainDataset:
         packs: list[list[int]] | None = None,
         indices: list[int] | None = None,
     ):
+        if packs is not None and encoded.pairs:
+            raise ValueError("preference pairs are not packed")
         self.encoded = encoded
         self.settings = settings
         self.packs = packs
@@ -137,13 +150,17 @@ class TrainDataset:
     def __len__(self) -> int:
         if self.packs is not None:
             return len(self.packs)
-        return len(self.indices) if self.indices is not None else len(self.encoded)
+        return len(self.indices) if self.indices is not None else self.encoded.num_units
 
     def __getitem__(self, index: int) -> dict:
         if self.packs is not None:
-            members = self.packs[index]
-        else:
-            members = [self.indices[index] if self.indices is not None else index]
+            return self._item(self.packs[index])
+        unit = self.indices[index] if self.indices is not None else index
+        if self.encoded.pairs:
+            return {"chosen": self._item([2 * unit]), "rejected": self._item([2 * unit + 1])}
+        return self._item([unit])
+
+    def _item(self, members: list[int]) -> dict:
         ids, labels, positions, pixels = [], [], [], []
         for member in members:
             sample = self.encoded[member]
@@ -197,12 +214,32 @@ def _check_loader_options(recipe) -> None:
         raise UserError(f"collator_id {dl.collate_param.collator_id!r} is not supported; use 'pixtral'")
 
 
+def _check_stage(recipe, dataset: EncodedDataset) -> None:
+    """The entry holds what the recipe's stage trains on (pairs for dpo, samples for sft)."""
+    dpo = recipe.training.stage == "dpo"
+    if dpo != dataset.pairs:
+        holds = "preference pairs" if dataset.pairs else "SFT samples"
+        raise UserError(
+            f"the cache entry {dataset.path} holds {holds} but training.stage is {recipe.training.stage!r}: "
+            "use the entry that `magistral preprocess` makes for this recipe"
+        )
+
+
+def _collator(recipe, dataset: EncodedDataset, segments: str | None = None):
+    """The recipe's collator; for pairs, ``PairCollator`` (2B rows: chosen first, then rejected)."""
+    pad = int(dataset.meta["pad_token_id"])
+    ignore_pad = recipe.data.dataloader_param.collate_param.ignore_pad_token_for_loss
+    collator = PixtralCollator(pad, ignore_pad_token_for_loss=ignore_pad, segments=segments)
+    return PairCollator(collator) if dataset.pairs else collator
+
+
 def build_train_dataset(recipe, dataset: EncodedDataset) -> TrainDataset:
     """The map-style dataset the loader reads: samples, or packs of them with ``packing: true``;
     the training samples only when the recipe has a validation split (``val_size``)."""
     from .pipeline import image_settings_of
 
     basic = recipe.data.dataset_param.basic_parameters
+    _check_stage(recipe, dataset)
     split = dataset_split(recipe, dataset)
     packing = basic.packing or basic.neat_packing
     if split is None:
@@ -217,7 +254,8 @@ def build_train_dataset(recipe, dataset: EncodedDataset) -> TrainDataset:
 
 
 def build_train_dataloader(recipe, dataset: EncodedDataset, *, dp_rank: int, dp_size: int):
-    """A ``StatefulDataLoader`` of this rank's micro-batches (``training.micro_batch_size`` samples).
+    """A ``StatefulDataLoader`` of this rank's micro-batches (``training.micro_batch_size`` samples;
+    for pairs, that many pairs as ``2 * micro_batch_size`` rows, chosen rows first).
 
     In the order of ``sampler_type`` (see :mod:`magistral_cli.data.samplers`: the seed's
     ``BaseRandomBatchSampler`` ignores ``training.seed``), sharded over ``dp_size`` ranks,
@@ -245,12 +283,7 @@ def build_train_dataloader(recipe, dataset: EncodedDataset, *, dp_rank: int, dp_
         )
     except ValueError as exc:
         raise UserError(f"cannot batch the dataset {dataset.path}: {exc}") from None
-    pad = int(dataset.meta["pad_token_id"])
-    collator = PixtralCollator(
-        pad,
-        ignore_pad_token_for_loss=dl.collate_param.ignore_pad_token_for_loss,
-        segments=segment_mode(recipe),
-    )
+    collator = _collator(recipe, dataset, segment_mode(recipe))
     workers = dl.num_workers
     options = {}
     if workers:
@@ -398,8 +431,8 @@ class ValBatches:
 def build_val_batches(recipe, dataset: EncodedDataset, *, dp_rank: int, dp_size: int) -> ValBatches:
     """Rank ``dp_rank``'s validation micro-batches of the recipe's split (``val_size``).
 
-    ``training.micro_batch_size`` samples each, the training collator and image loading, no
-    packing and no shuffle, ``data.dataloader_param.num_workers`` workers (see ``ValBatches``).
+    ``training.micro_batch_size`` samples (or pairs: ``2 * micro_batch_size`` rows, as in training)
+    each, the training collator and image loading, no packing and no shuffle, ``data.dataloader_param.num_workers`` workers (see ``ValBatches``).
     ``UserError`` when the recipe has no validation split or the split leaves no training sample.
     """
     import torch
@@ -407,12 +440,12 @@ def build_val_batches(recipe, dataset: EncodedDataset, *, dp_rank: int, dp_size:
     from .pipeline import image_settings_of
 
     _check_loader_options(recipe)
+    _check_stage(recipe, dataset)
     split = dataset_split(recipe, dataset)
     if split is None:
         raise UserError(f"no validation split: set {VAL_SIZE_KEY} (a fraction such as 0.05 or a count)")
     dl = recipe.data.dataloader_param
-    pad = int(dataset.meta["pad_token_id"])
-    collator = PixtralCollator(pad, ignore_pad_token_for_loss=dl.collate_param.ignore_pad_token_for_loss)
+    collator = _collator(recipe, dataset)
     return ValBatches.over(
         TrainDataset(dataset, image_settings_of(dataset)),
         split[1],

@@ -23,7 +23,7 @@ from magistral_cli.assets.hashing import sha256_file
 from magistral_cli.errors import CheckFailed, UserError
 
 from . import cache as cache_mod
-from .encoder import ENCODER_REVISION, EncodedSample, EncodeParams, Encoder
+from .encoder import ENCODER_REVISION, EncodedPair, EncodedSample, EncodeParams, Encoder
 from .pixtral import ImageSettings, load_image_settings
 from .readers import Drop, RecordFormat, RowSource, read_rows
 from .report import SampleNotes, build_report
@@ -132,7 +132,8 @@ def plan_preprocess(recipe, *, overwrite: bool | None = None) -> PreprocessPlan:
             model_files[name] = sha256_file(model_dir / name)[0]
     settings = load_image_settings(model_dir, pre.image_min_pixels, pre.image_max_pixels, pre.image_grid)
     params = EncodeParams.from_recipe(recipe, dataset_dir)
-    fmt = RecordFormat.from_attr(dp.attr)
+    pairs = recipe.training.stage == "dpo"
+    fmt = RecordFormat.from_attr(dp.attr, pairs=pairs)
     plan = PreprocessPlan(
         model_dir=model_dir,
         dataset=dataset,
@@ -158,6 +159,8 @@ def plan_preprocess(recipe, *, overwrite: bool | None = None) -> PreprocessPlan:
         "format": fmt.fingerprint_fields(),
         "max_samples": basic.max_samples,
     }
+    if pairs:  # absent for sft, so that SFT entries keep their fingerprints
+        plan.fingerprint_parts["stage"] = recipe.training.stage
     plan.fingerprint = cache_mod.fingerprint(plan.fingerprint_parts)
     return plan
 
@@ -183,7 +186,7 @@ def _init_worker(tokenizer_str: str, tokenizer_meta: dict, settings, params, fmt
     _WORKER["encoder"] = Encoder(tok, settings, params, fmt)
 
 
-def _encode_chunk(rows: list[RowSource]) -> list[EncodedSample | tuple[int, Drop]]:
+def _encode_chunk(rows: list[RowSource]) -> list[EncodedSample | EncodedPair | tuple[int, Drop]]:
     results = _WORKER["encoder"].encode_rows(rows)
     return [(row.index, r) if isinstance(r, Drop) else r for row, r in zip(rows, results, strict=True)]
 
@@ -271,14 +274,19 @@ def run_preprocess(
                 if isinstance(item, EncodedSample):
                     writer.add(item)
                     notes.add(item)
+                elif isinstance(item, EncodedPair):
+                    writer.add_pair(item)
+                    notes.add(item.chosen)
+                    notes.add(item.rejected)
                 else:
                     index, drop = item
                     writer.drop(index, drop.reason, drop.detail)
         if strict and writer.drops:
             _raise_strict(writer.drops)
         if not len(writer):
+            unit = "pair" if plan.fmt.pair_columns else "sample"
             raise CheckFailed(
-                f"no sample of {plan.dataset} could be kept ({len(writer.drops)} dropped, first: "
+                f"no {unit} of {plan.dataset} could be kept ({len(writer.drops)} dropped, first: "
                 f"row {writer.drops[0]['index']}: {writer.drops[0]['reason']}: {writer.drops[0]['detail']})"
             )
         seconds = time.perf_counter() - started
@@ -302,6 +310,7 @@ def run_preprocess(
             "num_samples": len(writer),
             "num_tokens": report["tokens"],
             "dropped": len(writer.drops),
+            **({"pairs": True, "num_pairs": writer.pairs} if plan.fmt.pair_columns else {}),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         writer.commit(plan.entry, meta, report)

@@ -63,6 +63,14 @@ DROP_REASONS = {
     "unsupported_video": "the record has videos (not supported for Magistral)",
     "image_tokens_truncated": "cutoff_len would cut the sample inside image tokens",
     "no_label_tokens": "after truncation no token is left to train on",
+    # Preference pairs (training.stage: dpo; see data/pairs.py)
+    "missing_chosen": "the chosen column (attr.chosen) is absent or empty",
+    "missing_rejected": "the rejected column (attr.rejected) is absent or empty",
+    "chosen_equals_rejected": "the chosen and rejected answers are the same",
+    "answer_not_assistant": "a chosen or rejected answer is not one assistant message (another role, or several "
+    "messages)",
+    "prompt_not_ending_with_user": "the prompt messages do not end with a user turn",
+    "answer_truncated": "cutoff_len leaves no token of the answers (the prompt fills it)",
 }
 
 
@@ -90,10 +98,13 @@ class Conversation:
     # (prompt role: user|observation, prompt text, the response's parts in order)
     turns: list[tuple[str, str, tuple[ReplyPart, ...]]]
     images: list[str] = field(default_factory=list)  # resolved paths, in placeholder order
+    # A preference pair's rejected answer: the last turn's response is the chosen one (data/pairs.py).
+    rejected: tuple[ReplyPart, ...] | None = None
 
     @property
     def has_reasoning(self) -> bool:
-        return any(part.thinking for _, _, reply in self.turns for part in reply)
+        replies = [reply for _, _, reply in self.turns] + [self.rejected or ()]
+        return any(part.thinking for reply in replies for part in reply)
 
 
 @dataclass(frozen=True)
@@ -229,9 +240,12 @@ class RecordFormat:
     system_role: str
     reasoning: str | None  # the assistant message's reasoning field (reasoning_content)
     sharegpt_fallback: bool  # auto: use ``conversations`` with from/value when ``messages`` is absent
+    # (chosen, rejected) columns when rows are preference pairs (training.stage: dpo), else None
+    pair_columns: tuple[str, str] | None = None
 
     @classmethod
-    def from_attr(cls, attr) -> RecordFormat:
+    def from_attr(cls, attr, *, pairs: bool = False) -> RecordFormat:
+        """The attr mapping; ``pairs``: rows are preference pairs (``attr.chosen`` / ``attr.rejected``)."""
         if attr.formatting == "alpaca":
             raise UserError(
                 "data.dataset_param.attr.formatting 'alpaca' is not supported; use LLaVA 'messages' or "
@@ -251,10 +265,27 @@ class RecordFormat:
             system_role=attr.system_tag or "system",
             reasoning=attr.reasoning_tag,
             sharegpt_fallback=attr.formatting == "auto" and "messages" not in attr.model_fields_set,
+            pair_columns=(attr.chosen, attr.rejected) if pairs else None,
         )
 
     def fingerprint_fields(self) -> dict:
-        return self.__dict__.copy()
+        fields = self.__dict__.copy()
+        if fields["pair_columns"] is None:  # SFT entries keep the fingerprint they had before pairs
+            del fields["pair_columns"]
+        return fields
+
+    def message_layout(self, record: dict) -> tuple[str, dict[str, str]]:
+        """The column holding ``record``'s messages, and the role/content tags they use (ShareGPT's
+        ``from`` / ``value`` when ``formatting: auto`` falls back to ``conversations``)."""
+        tags = {
+            "role_tag": self.role_tag,
+            "content_tag": self.content_tag,
+            "user": self.user,
+            "assistant": self.assistant,
+        }
+        if record.get(self.messages) is None and self.sharegpt_fallback and "conversations" in record:
+            return "conversations", dict(_SHAREGPT)
+        return self.messages, tags
 
 
 _SHAREGPT = {"role_tag": "from", "content_tag": "value", "user": "human", "assistant": "gpt"}
@@ -273,7 +304,7 @@ _THINK_SPLIT = re.compile("(" + "|".join(re.escape(token) for token in THINK_TOK
 _MALFORMED_FIX = "close every [THINK] with a [/THINK], one block at a time"
 
 
-def _split_think_markers(text: str, position: int) -> list[ReplyPart] | Drop:
+def _split_think_markers(text: str, where: str) -> list[ReplyPart] | Drop:
     """``text`` with literal ``[THINK]...[/THINK]`` blocks read as reasoning parts."""
     begin, end = THINK_TOKENS
     parts: list[ReplyPart] = []
@@ -283,14 +314,12 @@ def _split_think_markers(text: str, position: int) -> list[ReplyPart] | Drop:
             if thinking is not None:
                 return Drop(
                     "malformed_reasoning",
-                    f"message {position} opens {begin} inside {begin}; {_MALFORMED_FIX}",
+                    f"{where} opens {begin} inside {begin}; {_MALFORMED_FIX}",
                 )
             thinking = ""
         elif piece == end:
             if thinking is None:
-                return Drop(
-                    "malformed_reasoning", f"message {position} has {end} without {begin}; {_MALFORMED_FIX}"
-                )
+                return Drop("malformed_reasoning", f"{where} has {end} without {begin}; {_MALFORMED_FIX}")
             parts.append(ReplyPart(thinking, thinking=True))
             thinking = None
         elif thinking is not None:
@@ -298,7 +327,7 @@ def _split_think_markers(text: str, position: int) -> list[ReplyPart] | Drop:
         elif piece:
             parts.append(ReplyPart(piece))
     if thinking is not None:
-        return Drop("malformed_reasoning", f"message {position} has {begin} without {end}; {_MALFORMED_FIX}")
+        return Drop("malformed_reasoning", f"{where} has {begin} without {end}; {_MALFORMED_FIX}")
     return parts
 
 
@@ -314,12 +343,12 @@ def _chunk_text(chunk: Any, key: str) -> str | None:
     return None
 
 
-def _reply(
-    message: dict, position: int, content_tag: str, reasoning_key: str | None, think_markers: bool
+def reply_parts(
+    message: dict, where: str, content_tag: str, reasoning_key: str | None, think_markers: bool
 ) -> tuple[ReplyPart, ...] | Drop:
-    """An assistant message's parts (reasoning and text, in order), or why it cannot be used."""
+    """An assistant message's parts (reasoning and text, in order), or why it cannot be used
+    (``where`` names the message in a drop's detail: "message 3")."""
     content = message.get(content_tag)
-    where = f"message {position}"
     raw: list[ReplyPart] = []
     if isinstance(content, str):
         raw.append(ReplyPart(content))
@@ -349,7 +378,7 @@ def _reply(
         if part.thinking:
             parts.append(part)
         elif think_markers:
-            split = _split_think_markers(part.text, position)
+            split = _split_think_markers(part.text, where)
             if isinstance(split, Drop):
                 return split
             parts += split
@@ -386,16 +415,8 @@ def normalize_record(
     if not isinstance(record, dict):
         return Drop("invalid_record", f"record is a {type(record).__name__}, not an object")
 
-    tags = {
-        "role_tag": fmt.role_tag,
-        "content_tag": fmt.content_tag,
-        "user": fmt.user,
-        "assistant": fmt.assistant,
-    }
-    messages = record.get(fmt.messages)
-    if messages is None and fmt.sharegpt_fallback and "conversations" in record:
-        messages = record["conversations"]
-        tags = dict(_SHAREGPT)
+    column, tags = fmt.message_layout(record)
+    messages = record.get(column)
     if not isinstance(messages, list) or not messages:
         return Drop("invalid_record", f"column {fmt.messages!r} is missing or not a non-empty list")
 
@@ -413,7 +434,9 @@ def normalize_record(
             return Drop("invalid_record", f"message {position} is not an object")
         role, content = message.get(tags["role_tag"]), message.get(tags["content_tag"])
         if role == tags["assistant"]:
-            reply = _reply(message, position, tags["content_tag"], fmt.reasoning, think_markers)
+            reply = reply_parts(
+                message, f"message {position}", tags["content_tag"], fmt.reasoning, think_markers
+            )
             if isinstance(reply, Drop):
                 return reply
             parsed.append(("assistant", reply))

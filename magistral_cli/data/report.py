@@ -72,9 +72,12 @@ def build_report(
         for p in (0, 50, 90, 99, 100):
             percentiles[f"p{p}"] = int(np.percentile(lengths, p, method="nearest"))
     images = Counter(writer.images_per_sample)
+    # A pair entry counts pairs (rows) kept and dropped; lengths, tokens and images are its sequences'.
+    pairs = {"pairs": True, "sequences": len(lengths)} if writer.pairs else {}
     return {
         "rows": rows,
-        "kept": len(lengths),
+        "kept": writer.pairs if writer.pairs else len(lengths),
+        **pairs,
         "dropped": len(writer.drops),
         "dropped_by_reason": dict(sorted(by_reason.items())),
         "drop_examples": examples,
@@ -106,14 +109,22 @@ def render_report(report: dict, console, *, entry: str, reused: bool) -> None:
     table.add_column("value")
     table.add_row("cache entry", escape(entry))
     table.add_row("rows read", str(report["rows"]))
-    table.add_row("kept", f"[green]{report['kept']}[/]")
+    pairs = report.get("pairs", False)
+    if pairs:
+        table.add_row(
+            "kept pairs", f"[green]{report['kept']}[/] ({report['sequences']} sequences: chosen, rejected)"
+        )
+    else:
+        table.add_row("kept", f"[green]{report['kept']}[/]")
     split = report.get("split")
     if split:
         table.add_row(
             "train / validation",
             f"{split['train']} / {split['val']} (val_size {split['val_size']}, seed {split['seed']})",
         )
-    table.add_row("dropped", f"[red]{report['dropped']}[/]" if report["dropped"] else "0")
+    table.add_row(
+        "dropped pairs" if pairs else "dropped", f"[red]{report['dropped']}[/]" if report["dropped"] else "0"
+    )
     table.add_row("truncated (kept)", str(report["truncated"]))
     table.add_row("tokens", f"{report['tokens']} ({report['label_tokens']} trained)")
     pct = report["length_percentiles"]
@@ -123,7 +134,7 @@ def render_report(report: dict, console, *, entry: str, reused: bool) -> None:
             f"{pct['p0']} / {pct['p50']} / {pct['p90']} / {pct['p99']} / {pct['p100']} (cutoff_len {report['cutoff_len']})",
         )
     per = ", ".join(f"{k}: {v}" for k, v in report["images_per_sample"].items())
-    table.add_row("images", f"{report['images']} (images per sample {per})")
+    table.add_row("images", f"{report['images']} (images per {'sequence' if pairs else 'sample'} {per})")
     if "images_outside_dataset_dir" in report:
         table.add_row("images outside dataset_dir", str(report["images_outside_dataset_dir"]))
     control = report.get("control_tokens_in_text")

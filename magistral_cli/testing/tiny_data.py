@@ -266,3 +266,122 @@ def write_synthetic_llava_dataset(
     out = directory / "data.jsonl"
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return out
+
+
+#: Rows ``write_synthetic_pair_dataset(broken_rows=True)`` appends, one per bad-pair reason, in order.
+BROKEN_PAIR_REASONS = (
+    "missing_chosen",
+    "missing_rejected",
+    "chosen_equals_rejected",
+    "answer_not_assistant",
+    "answer_not_assistant",
+    "image_in_assistant_turn",
+    "prompt_not_ending_with_user",
+)
+
+
+def write_synthetic_pair_dataset(
+    directory: str | Path,
+    n_pairs: int,
+    *,
+    seed: int = 0,
+    image_sizes: list[tuple[int, int]] | None = None,
+    broken_rows: bool = False,
+) -> Path:
+    """Write ``n_pairs`` preference pairs (JSON Lines, LLaMA-Factory's ranking layout) and their images.
+
+    Each row: ``messages`` (the prompt, ending with a user turn), ``chosen`` and ``rejected`` (one
+    assistant message each: the chosen answer names the picture's true main color, the rejected
+    one another color) and ``images`` (one per ``<image>`` of the prompt). Rows vary as the SFT
+    data does: most have one image, every 5th is text only, every 7th has a system message, every
+    6th two images, every 9th a two-turn prompt (an earlier answer, then the question). With
+    ``broken_rows`` one row per entry of :data:`BROKEN_PAIR_REASONS` is appended (a missing
+    chosen, a missing rejected, equal answers, a user-role answer, a two-message answer, an answer
+    with ``<image>``, a prompt ending with an assistant turn). Returns the path of ``data.jsonl``;
+    image paths are relative to ``directory`` (the recipe's ``dataset_dir``).
+    """
+    directory = Path(directory)
+    (directory / "images").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    sizes = image_sizes or [(56, 56), (84, 140), (224, 168), (300, 200), (97, 61)]
+    colors = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (30, 60, 220), "orange": (250, 150, 20)}
+    names = list(colors)
+    image_count = 0
+
+    def new_image(color: str) -> str:
+        from PIL import Image, ImageDraw
+
+        nonlocal image_count
+        width, height = sizes[rng.randrange(len(sizes))]
+        image = Image.new("RGB", (width, height), colors[color])
+        draw = ImageDraw.Draw(image)
+        x0, y0 = rng.randrange(width // 2 + 1), rng.randrange(height // 2 + 1)
+        draw.rectangle([x0, y0, x0 + width // 4, y0 + height // 4], fill=(255, 255, 255))
+        name = f"images/{image_count:06d}.png"
+        image.save(directory / name)
+        image_count += 1
+        return name
+
+    def answer(text: str) -> dict:
+        return {"role": "assistant", "content": text}
+
+    lines: list[str] = []
+    for i in range(n_pairs):
+        color = rng.choice(names)
+        wrong = rng.choice([c for c in names if c != color])
+        if i % 5 == 4:  # text only
+            a, b = rng.randrange(2, 50), rng.randrange(2, 50)
+            record = {
+                "messages": [{"role": "user", "content": f"Pair {i}: what is {a} plus {b}?"}],
+                "chosen": answer(f"{a} plus {b} is {a + b}."),
+                "rejected": answer(f"{a} plus {b} is {a + b + rng.randrange(1, 9)}."),
+                "images": [],
+            }
+        elif i % 6 == 5:  # two images
+            other = rng.choice(names)
+            record = {
+                "messages": [
+                    {"role": "user", "content": f"<image><image>\nWhich colors fill the two pictures ({i})?"}
+                ],
+                "chosen": answer(f"The first is {color}, the second {other}."),
+                "rejected": answer(f"Both are {wrong}."),
+                "images": [new_image(color), new_image(other)],
+            }
+        elif i % 9 == 8:  # two-turn prompt
+            record = {
+                "messages": [
+                    {"role": "user", "content": "<image>\nIs there a white square?"},
+                    {"role": "assistant", "content": "Yes, one white square."},
+                    {"role": "user", "content": "And the background color?"},
+                ],
+                "chosen": answer(f"The background is {color}."),
+                "rejected": answer(f"The background is {wrong}."),
+                "images": [new_image(color)],
+            }
+        else:
+            record = {
+                "messages": [{"role": "user", "content": f"<image>\nWhat color is the background ({i})?"}],
+                "chosen": answer(f"It is {color}, with a white square."),
+                "rejected": answer(f"It is {wrong}."),
+                "images": [new_image(color)],
+            }
+        if i % 7 == 6:
+            record["messages"].insert(0, {"role": "system", "content": "You name colors briefly."})
+        lines.append(json.dumps(record))
+
+    if broken_rows:
+        question = [{"role": "user", "content": "What is two plus two?"}]
+        good, bad = answer("Four."), answer("Five.")
+        broken = [
+            {"messages": question, "rejected": bad},
+            {"messages": question, "chosen": good, "rejected": ""},
+            {"messages": question, "chosen": good, "rejected": answer("Four.")},
+            {"messages": question, "chosen": {"role": "user", "content": "Four."}, "rejected": bad},
+            {"messages": question, "chosen": [good, answer("Four, really.")], "rejected": bad},
+            {"messages": question, "chosen": answer("<image> Four."), "rejected": bad},
+            {"messages": [*question, answer("Four.")], "chosen": good, "rejected": bad},
+        ]
+        lines.extend(json.dumps({**row, "images": []}) for row in broken)
+    out = directory / "data.jsonl"
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return out

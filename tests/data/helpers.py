@@ -15,11 +15,12 @@ def write_recipe(
     *,
     pre: dict | None = None,
     basic: dict | None = None,
+    training: dict | None = None,
 ) -> Path:
     """A one-step recipe file whose data section reads ``dataset`` with the tiny model's tokenizer.
 
     ``pre`` and ``basic`` add keys to ``preprocess_parameters`` and ``basic_parameters``, as the
-    ``make_recipe`` fixture's do for a validated recipe.
+    ``make_recipe`` fixture's do for a validated recipe; ``training`` adds keys to ``training``.
     """
     recipe = {
         "data": {
@@ -33,7 +34,7 @@ def write_recipe(
                 },
             }
         },
-        "training": {"train_iters": 1},
+        "training": {"train_iters": 1, **(training or {})},
     }
     path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
     return path
