@@ -73,7 +73,8 @@ def preprocess(
     inspected = inspect_samples(dataset, plan.tokenizer, inspect) if inspect else []
     for item in inspected:
         console.rule(
-            f"sample from row {item['index']}: {item['tokens']} tokens, {item['label_tokens']} trained"
+            f"{item.get('side', 'sample')} from row {item['index']}: {item['tokens']} tokens, "
+            f"{item['label_tokens']} trained"
         )
         console.print(rich_text(item["spans"]), soft_wrap=True)
     if inspected:

@@ -79,14 +79,21 @@ def rich_text(spans: list[Span]):
     return text
 
 
+def _side(dataset: EncodedDataset, i: int) -> dict:
+    """``{"side": "chosen" | "rejected"}`` for sample ``i`` of a pair entry (2k chosen, 2k + 1 rejected)."""
+    return {"side": ("chosen", "rejected")[i % 2]} if dataset.pairs else {}
+
+
 def inspect_samples(dataset: EncodedDataset, tokenizer: TekkenTokenizer, count: int) -> list[dict]:
-    """The first ``count`` samples: source row, length, images and spans."""
+    """The first ``count`` samples: source row, length, images and spans (and, of a pair entry, the
+    side: the first two samples are row one's chosen and rejected sequences)."""
     out = []
     for i in range(min(count, len(dataset))):
         sample = dataset[i]
         out.append(
             {
                 "index": sample.source_index,
+                **_side(dataset, i),
                 "tokens": len(sample.input_ids),
                 "label_tokens": int((sample.labels != IGNORE_INDEX).sum()),
                 "images": sample.images,
@@ -98,7 +105,8 @@ def inspect_samples(dataset: EncodedDataset, tokenizer: TekkenTokenizer, count: 
 
 
 def export_jsonl(dataset: EncodedDataset, path: str | Path) -> int:
-    """Write every kept sample as one JSON object per line; returns the number written."""
+    """Write every kept sample as one JSON object per line (a pair entry's with its ``side``);
+    returns the number written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
@@ -107,6 +115,7 @@ def export_jsonl(dataset: EncodedDataset, path: str | Path) -> int:
             sample = dataset[i]
             record = {
                 "index": sample.source_index,
+                **_side(dataset, i),
                 "input_ids": sample.input_ids.tolist(),
                 "labels": sample.labels.tolist(),
                 "image_sizes": sample.image_sizes.tolist(),

@@ -20,10 +20,11 @@ from magistral_cli.data.loader import (
     build_val_batches,
     dataset_split,
 )
-from magistral_cli.data.pipeline import run_preprocess
+from magistral_cli.data.pipeline import plan_preprocess, run_preprocess
 from magistral_cli.data.pixtral import load_image_settings
 from magistral_cli.data.readers import DROP_REASONS, Drop, RecordFormat, RowSource
 from magistral_cli.data.report import render_report
+from magistral_cli.errors import UserError
 from magistral_cli.testing.tiny_data import BROKEN_PAIR_REASONS, write_synthetic_pair_dataset
 
 from .helpers import write_recipe
@@ -80,6 +81,49 @@ def test_each_side_is_the_sft_encoding_of_prompt_and_answer(model_dir, tokenizer
         tokenizer.decode([int(t) for t in s.labels if t != -100]) for s in (pair.chosen, pair.rejected)
     ]
     assert trained == ["Red.</s>", "Blue, I think.</s>"]
+
+
+def test_multi_turn_and_sharegpt_prompts(model_dir, tokenizer, image_dir):
+    enc = encoder(model_dir, tokenizer, image_dir, pairs=True)
+    turns = [
+        {"role": "user", "content": "<image>\nIs there a square?"},
+        {"role": "assistant", "content": "No."},
+        {"role": "user", "content": "Its color?"},
+    ]
+    sharegpt = {
+        "conversations": [{"from": "human", "value": "<image>\nColor?"}],
+        "chosen": {"from": "gpt", "value": "Red."},
+        "rejected": [{"from": "gpt", "value": "Blue."}],
+        "images": ["red.png"],
+    }
+    answers = {
+        "chosen": {"role": "assistant", "content": "Red."},
+        "rejected": {"role": "assistant", "content": "Blue."},
+    }
+    multi, shared = enc.encode_rows(
+        [RowSource(0, {"messages": turns, **answers, "images": ["red.png"]}), RowSource(1, sharegpt)]
+    )
+    # An earlier assistant turn of the prompt is context: only the final answer is trained.
+    trained = [
+        tokenizer.decode([int(t) for t in s.labels if t != -100]) for s in (multi.chosen, multi.rejected)
+    ]
+    assert trained == ["Red.</s>", "Blue.</s>"] and "No.</s>" in tokenizer.decode(
+        multi.chosen.input_ids.tolist()
+    )
+    plain = enc.encode_rows(
+        [
+            RowSource(
+                1,
+                {
+                    "messages": [{"role": "user", "content": "<image>\nColor?"}],
+                    **answers,
+                    "images": ["red.png"],
+                },
+            )
+        ]
+    )[0]
+    assert_same_sample(shared.chosen, plain.chosen)
+    assert_same_sample(shared.rejected, plain.rejected)
 
 
 def test_bad_pairs_are_dropped_with_their_reason(model_dir, tokenizer, image_dir):
@@ -181,7 +225,10 @@ def _rows(batch) -> list[list[int]]:
 
 
 def test_report_and_cache_count_pairs(encoded_pairs):
-    _, result = encoded_pairs
+    recipe_for, result = encoded_pairs
+    other_column = recipe_for()
+    other_column.data.dataset_param.attr.chosen = "preferred"
+    assert plan_preprocess(other_column).fingerprint != result.dataset.fingerprint  # the columns are inputs
     report, dataset = result.report, result.dataset
     reasons = {reason: BROKEN_PAIR_REASONS.count(reason) for reason in BROKEN_PAIR_REASONS}
     assert report["kept"] == N_PAIRS and report["pairs"] is True and report["sequences"] == 2 * N_PAIRS
@@ -226,6 +273,10 @@ def test_loader_yields_chosen_rows_then_rejected_rows_and_resumes(encoded_pairs)
     resumed.load_state_dict(state)
     assert torch.equal(next(iter(resumed))["input_ids"], batches[1]["input_ids"])
 
+    sft = recipe.model_copy(update={"training": recipe.training.model_copy(update={"stage": "sft"})})
+    with pytest.raises(UserError, match="holds preference pairs but training.stage is 'sft'"):
+        build_train_dataloader(sft, dataset, dp_rank=0, dp_size=1)
+
 
 def test_validation_split_splits_pairs(encoded_pairs):
     recipe_for, result = encoded_pairs
@@ -255,9 +306,14 @@ def test_preprocess_cli_reports_pairs(tmp_path, model_dir, pair_dataset, wide_co
         basic={"val_size": 4},
         training={"stage": "dpo"},
     )
-    result = CliRunner().invoke(app, ["preprocess", str(recipe), "--json"])
+    export = tmp_path / "pairs.jsonl"
+    args = ["preprocess", str(recipe), "--json", "--inspect", "2", "--export-jsonl", str(export)]
+    result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
+    assert [(item["index"], item["side"]) for item in payload["inspect"]] == [(0, "chosen"), (0, "rejected")]
+    exported = [json.loads(line) for line in export.read_text().splitlines()]
+    assert len(exported) == 2 * N_PAIRS and exported[3]["side"] == "rejected" and exported[3]["index"] == 1
     report, dpo_entry = payload["report"], payload["cache_entry"]
     assert report["kept"] == N_PAIRS and report["pairs"] is True
     assert report["split"] == {"train": N_PAIRS - 4, "val": 4, "val_size": 4, "seed": 42}
