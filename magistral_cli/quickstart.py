@@ -112,14 +112,23 @@ def _losses(run_dir: Path, split: str = "train") -> dict[int, float]:
     return out
 
 
+#: Preference pairs written beside the dataset for the tiny DPO recipes.
+QUICKSTART_PAIRS = 64
+
+
 def write_assets(workdir: Path, samples: int) -> dict[str, Path]:
-    """The tiny model (official layout), its tokenizer files and the synthetic dataset.
+    """The tiny model (official layout), its tokenizer files, the synthetic dataset and, for the tiny
+    DPO recipes, ``QUICKSTART_PAIRS`` preference pairs in ``pairs/``.
 
     A workdir of a quickstart from before reasoning traces (a dataset without ``reasoning_content``)
     gets the v13 tokenizer and the dataset again; the weights are kept.
     """
     from magistral_cli.checkpoint.hf import WEIGHT_INDEX
-    from magistral_cli.testing.tiny_data import write_synthetic_llava_dataset, write_tiny_tokenizer_files
+    from magistral_cli.testing.tiny_data import (
+        write_synthetic_llava_dataset,
+        write_synthetic_pair_dataset,
+        write_tiny_tokenizer_files,
+    )
     from magistral_cli.testing.tiny_model import build_tiny_model, save_official_checkpoint
 
     model_dir, data_dir = workdir / "model", workdir / "data"
@@ -144,7 +153,19 @@ def write_assets(workdir: Path, samples: int) -> dict[str, Path]:
             image_sizes=QUICKSTART_IMAGE_SIZES,
             reasoning_every=QUICKSTART_REASONING_EVERY,
         )
-    return {"model": model_dir, "data_dir": data_dir, "dataset": dataset, "cache": workdir / "cache"}
+    # Preference pairs for the DPO recipes (recipes/tiny/tiny_cpu_dpo*.yaml): not used by the quickstart's steps.
+    pairs = workdir / "pairs" / "data.jsonl"
+    if not pairs.is_file():
+        write_synthetic_pair_dataset(
+            workdir / "pairs", QUICKSTART_PAIRS, seed=0, image_sizes=QUICKSTART_IMAGE_SIZES
+        )
+    return {
+        "model": model_dir,
+        "data_dir": data_dir,
+        "dataset": dataset,
+        "cache": workdir / "cache",
+        "pairs": pairs,
+    }
 
 
 @dataclass

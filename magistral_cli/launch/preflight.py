@@ -291,6 +291,9 @@ def padding_section(recipe: Recipe, world_size: int, dataset=None, *, hint: str 
         return out
     from magistral_cli.data.packing import estimate_padding
 
+    # training.stage: dpo: a micro-batch is 2 sequences per pair.
+    per_sample = 2 if recipe.training.stage == "dpo" else 1
+    rows_per_micro_batch = recipe.training.micro_batch_size * per_sample
     try:
         if dataset is None:
             from magistral_cli.data.pipeline import find_cached_dataset
@@ -305,18 +308,18 @@ def padding_section(recipe: Recipe, world_size: int, dataset=None, *, hint: str 
         if histogram is not None:
             source, estimates = (
                 "report histogram",
-                estimate_padding(basic.cutoff_len, recipe.training.micro_batch_size, histogram=histogram),
+                estimate_padding(basic.cutoff_len, rows_per_micro_batch, histogram=histogram),
             )
         else:  # an entry written before the report had a histogram: its offsets.npy is as good
             source, estimates = (
                 "sample lengths",
-                estimate_padding(basic.cutoff_len, recipe.training.micro_batch_size, lengths=dataset.lengths),
+                estimate_padding(basic.cutoff_len, rows_per_micro_batch, lengths=dataset.lengths),
             )
     except (UserError, OSError, ValueError, KeyError) as exc:
         out["note"] = f"no padding estimate: {exc}"
         return out
     dp = max(1, world_size // recipe.parallel.cp_size)
-    per_step = recipe.training.micro_batch_size * dp * recipe.training.gradient_accumulation_steps
+    per_step = rows_per_micro_batch * dp * recipe.training.gradient_accumulation_steps
     modes = {}
     for name, e in estimates.items():
         modes[name] = {
@@ -332,10 +335,17 @@ def padding_section(recipe: Recipe, world_size: int, dataset=None, *, hint: str 
         "source": source,
         "samples": estimates["none"].rows,
         "cutoff_len": basic.cutoff_len,
-        "micro_batch_size": recipe.training.micro_batch_size,
+        "micro_batch_size": rows_per_micro_batch,
         "recipe_mode": used,
         "modes": modes,
     }
+    notes = []
     if basic.val_size:
-        out["note"] = "over every kept sample: the val_size split is not taken out"
+        notes.append("over every kept sample: the val_size split is not taken out")
+    if per_sample == 2:
+        notes.append(
+            "stage dpo: sequences, 2 per pair (a micro-batch of "
+            f"{recipe.training.micro_batch_size} pairs is {rows_per_micro_batch} rows), drawn as if independent"
+        )
+    out["note"] = "; ".join(notes) or None
     return out
