@@ -35,6 +35,7 @@ LAYERS = {
     "model_config": 0,
     "run_lock": 0,
     "run_record": 0,
+    "metric_names": 0,
     "versions": 0,
     # what the engine builds on
     "data": 1,

@@ -22,6 +22,8 @@ from magistral_cli.ops.preference_loss import token_logps
 
 from .helpers import VOCAB, make_recipe, write_tiny_model
 
+#: The preference step reads transformers' forward: it runs on the lowest supported transformers too.
+pytestmark = pytest.mark.compat
 SEQ = 48
 BETA = 0.3
 
