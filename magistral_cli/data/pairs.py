@@ -31,6 +31,7 @@ from .readers import (
     RowSource,
     normalize_record,
     reply_parts,
+    row_record,
 )
 
 SIDES = ("chosen", "rejected")
@@ -86,11 +87,9 @@ def normalize_pair(
     or the reason it cannot be used. ``fmt.pair_columns`` names the chosen and rejected columns."""
     if fmt.pair_columns is None:
         raise ValueError("normalize_pair needs a RecordFormat with pair_columns (training.stage: dpo)")
-    if row.error is not None:
-        return Drop(row.error_reason, row.error)
-    record = row.record
-    if not isinstance(record, dict):
-        return Drop("invalid_record", f"record is a {type(record).__name__}, not an object")
+    record = row_record(row)
+    if isinstance(record, Drop):
+        return record
     column, tags = fmt.message_layout(record)
 
     messages: dict[str, dict] = {}

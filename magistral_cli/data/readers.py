@@ -401,6 +401,15 @@ def reply_parts(
     return tuple(parts)
 
 
+def row_record(row: RowSource) -> dict | Drop:
+    """A row's JSON object, or why it is none (the reader's error, or another JSON value)."""
+    if row.error is not None:
+        return Drop(row.error_reason, row.error)
+    if not isinstance(row.record, dict):
+        return Drop("invalid_record", f"record is a {type(row.record).__name__}, not an object")
+    return row.record
+
+
 def normalize_record(
     row: RowSource, fmt: RecordFormat, dataset_dir: Path, *, think_markers: bool = False
 ) -> Conversation | Drop:
@@ -409,11 +418,9 @@ def normalize_record(
     ``think_markers``: the tokenizer has ``[THINK]`` / ``[/THINK]`` as control tokens (v13), so
     literal markers in an assistant's text are its reasoning; otherwise they are text.
     """
-    if row.error is not None:
-        return Drop(row.error_reason, row.error)
-    record = row.record
-    if not isinstance(record, dict):
-        return Drop("invalid_record", f"record is a {type(record).__name__}, not an object")
+    record = row_record(row)
+    if isinstance(record, Drop):
+        return record
 
     column, tags = fmt.message_layout(record)
     messages = record.get(column)

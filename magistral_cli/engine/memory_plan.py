@@ -761,6 +761,8 @@ def settings_from_recipe(
     recipe, *, device: str, world_size: int, nproc_per_node: int, detected: bool
 ) -> PlanSettings:
     """:class:`PlanSettings` of a resolved recipe (``detected``: the device is visible here)."""
+    from .preference import reference_kind
+
     par, plan, feat, train = recipe.parallel, recipe.parallel.fsdp_plan, recipe.features, recipe.training
     cp = par.ulysses_parallel_size * par.ring_attention_size
     fused = train.adam_fused and device in ("cpu", "cuda", "npu")
@@ -774,7 +776,7 @@ def settings_from_recipe(
         reduce_dtype=plan.reduce_dtype,
         micro_batch_size=train.micro_batch_size,
         sequences_per_sample=2 if train.stage == "dpo" else 1,
-        reference=_reference_kind(recipe),
+        reference=reference_kind(recipe),
         cutoff_len=recipe.data.dataset_param.basic_parameters.cutoff_len,
         gradient_accumulation_steps=train.gradient_accumulation_steps,
         chunk_size=feat.chunkloss_plan.chunk_size if feat.enable_chunk_loss else None,
@@ -789,16 +791,6 @@ def settings_from_recipe(
         device_memory_source=source,
         host_memory_bytes=host_memory_bytes() if detected else None,
     )
-
-
-def _reference_kind(recipe) -> str | None:
-    """``PlanSettings.reference`` of a recipe (``engine.preference.reference_source``'s cases)."""
-    train = recipe.training
-    if train.stage != "dpo" or not train.dpo.needs_reference:
-        return None
-    if train.dpo.ref_model is None and recipe.model.lora is not None:
-        return "adapters off"
-    return "model"
 
 
 def plan_recipe(recipe, *, device: str, world_size: int, nproc_per_node: int, detected: bool) -> MemoryPlan:

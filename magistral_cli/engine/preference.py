@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from magistral_cli.data.collator import pair_rows
 from magistral_cli.errors import UserError
+from magistral_cli.ops.chunked_loss import IGNORE_INDEX
 from magistral_cli.ops.preference_loss import METRIC_NAMES, PreferenceLoss
 from magistral_cli.runtime import host_to_device
 
@@ -51,19 +53,9 @@ def preference_loss(recipe) -> PreferenceLoss:
     )
 
 
-def pair_count(micro_batch: dict) -> int:
-    """Pairs in a host micro-batch: its rows are the chosen then the rejected sequences."""
-    rows = micro_batch["input_ids"].shape[0]
-    if rows % 2:
-        raise ValueError(
-            f"a preference micro-batch has {rows} rows; it needs chosen and rejected rows in pairs"
-        )
-    return rows // 2
-
-
 def answer_counts(labels: torch.Tensor) -> torch.Tensor:
     """Each row's target count (float, host): the answer's tokens and its end of sequence."""
-    return (labels[:, 1:] != -100).sum(dim=1).to(torch.float32)
+    return (labels[:, 1:] != IGNORE_INDEX).sum(dim=1).to(torch.float32)
 
 
 @contextlib.contextmanager
@@ -83,19 +75,27 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
             m._disable_adapters = state
 
 
-def reference_source(recipe) -> str | None:
-    """Where a separate reference model's weights come from (None: no separate model).
-
-    ``ref_model`` when set; else, without LoRA, the starting weights (``training.load``); with LoRA
-    and no ``ref_model`` the policy's base serves (adapters off), and orpo / simpo use none.
-    """
-    dpo = recipe.training.dpo
-    if not dpo.needs_reference:
+def reference_kind(recipe) -> str | None:
+    """What serves as the reference: "model" (a frozen second model), "adapters off" (the LoRA
+    policy's base: LoRA with no ``ref_model``) or None (sft, or a loss without one: orpo, simpo)."""
+    train = recipe.training
+    if train.stage != "dpo" or not train.dpo.needs_reference:
         return None
+    if train.dpo.ref_model is None and recipe.model.lora is not None:
+        return "adapters off"
+    return "model"
+
+
+def reference_source(recipe) -> str | None:
+    """Where a separate reference model's weights come from (None: ``reference_kind`` is not "model").
+
+    ``ref_model`` when set; else (without LoRA) the starting weights, ``training.load``.
+    """
+    if reference_kind(recipe) != "model":
+        return None
+    dpo = recipe.training.dpo
     if dpo.ref_model is not None:
         return dpo.ref_model
-    if recipe.model.lora is not None:
-        return None
     if not recipe.training.load:
         raise UserError(
             "training.stage: dpo without LoRA compares with a frozen copy of the starting weights, but "
@@ -151,7 +151,7 @@ class PreferenceStep:
         row_counts = []
         for mb in micro_batches:
             check_micro_batch(mb, t.model_config, context_parallel=False)
-            local[3] += pair_count(mb)
+            local[3] += pair_rows(mb)
             row_counts.append(answer_counts(mb["labels"]))
             local[0] += int(row_counts[-1].sum())
             local[1] += mb["attention_mask"].sum()
@@ -192,28 +192,21 @@ def evaluate_pairs(step_obj: PreferenceStep, val_data, *, step: int) -> dict | N
     As ``validate.evaluate``: every dp rank runs its share (filler micro-batches carry no targets
     and count nothing), no gradient, dropout off, the RNG states restored afterwards.
     """
-    from .rng import rng_state, set_rng_state
+    from .validate import evaluating
 
     if val_data is None:
         return None
     t = step_obj.trainer
-    saved_rng = rng_state(t.device_type)
-    was_training = t.model.training
-    t.model.eval()
     sums = torch.zeros(2 + len(METRIC_NAMES), dtype=torch.float32, device=t.device)  # pairs, loss, metrics
-    try:
-        with torch.no_grad():
-            for mb in val_data:
-                counts = answer_counts(mb["labels"])
-                losses, metrics = step_obj.scored(to_device(mb, t.device), counts.to(t.device))
-                if not int(counts.sum()):
-                    continue  # a filler: the forwards ran for FSDP's collectives, nothing to count
-                sums[0] += pair_count(mb)
-                sums[1] += losses.sum()
-                sums[2:] += metrics.sum(dim=0)
-    finally:
-        t.model.train(was_training)
-        set_rng_state(saved_rng, t.device_type)
+    with evaluating(t.model, t.device_type):
+        for mb in val_data:
+            counts = answer_counts(mb["labels"])
+            losses, metrics = step_obj.scored(to_device(mb, t.device), counts.to(t.device))
+            if not int(counts.sum()):
+                continue  # a filler: the forwards ran for FSDP's collectives, nothing to count
+            sums[0] += pair_rows(mb)
+            sums[1] += losses.sum()
+            sums[2:] += metrics.sum(dim=0)
     dist.all_reduce(sums, group=t.dp_group)
     pairs, loss, *metric_sums = sums.tolist()
     record = {

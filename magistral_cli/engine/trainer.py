@@ -148,7 +148,7 @@ class Trainer:
     # ------------------------------------------------------------------ build
     def _build_model(self) -> torch.nn.Module:
         """Build the model (meta or real), install the loss head, then ``parallelize_model``."""
-        recipe, training, features = self.recipe, self.recipe.training, self.recipe.features
+        recipe = self.recipe
         if recipe.model.model_name_or_path is None:
             raise UserError(
                 "model.model_name_or_path is not set; point it at the model directory (config.json)"
@@ -159,11 +159,7 @@ class Trainer:
         self.attn_implementation = resolve_attention(
             recipe.model.attn_implementation, self.device_type, packed=self.segments is not None
         )
-        model = build_model(
-            config, meta=training.init_model_with_meta_device, attn_implementation=self.attn_implementation
-        )
-        chunk = features.chunkloss_plan.chunk_size if features.enable_chunk_loss else None
-        install_loss_head(model, features.chunkloss_plan.apply_module, chunk)
+        model = self._new_model(config)
         # LoRA (model.lora): PEFT's layers in place, the base frozen, before anything wraps a module.
         self.lora = lora_mod.apply_lora_from_recipe(model, recipe)
         done = parallelize_model(
@@ -187,10 +183,22 @@ class Trainer:
         )
         return model
 
+    def _new_model(self, config) -> torch.nn.Module:
+        """A model of ``config`` (meta or real, ``training.init_model_with_meta_device``) with the loss head."""
+        features = self.recipe.features
+        model = build_model(
+            config,
+            meta=self.recipe.training.init_model_with_meta_device,
+            attn_implementation=self.attn_implementation,
+        )
+        chunk = features.chunkloss_plan.chunk_size if features.enable_chunk_loss else None
+        install_loss_head(model, features.chunkloss_plan.apply_module, chunk)
+        return model
+
     def _build_reference(self) -> torch.nn.Module | None:
         """The frozen reference model of preference training, in the policy's FSDP2 layout, or None
         (``preference.reference_source``: the policy's base with adapters off, or no reference)."""
-        recipe, features = self.recipe, self.recipe.features
+        recipe = self.recipe
         source = reference_source(recipe)
         if source is None:
             return None
@@ -198,17 +206,12 @@ class Trainer:
         from .weights import load_weights
 
         refuse_lora_checkpoint_as_load(source)
-        with torch.random.fork_rng(
-            devices=[]
-        ):  # the policy's initialisation and data order stay as without it
-            # A fresh config: the policy's build set its attention names on the shared one.
-            ref = build_model(
-                load_model_config(recipe.model.model_name_or_path, recipe.model.trust_remote_code),
-                meta=recipe.training.init_model_with_meta_device,
-                attn_implementation=self.attn_implementation,
+        # A fresh config (the policy's build set its attention names on the shared one), and the
+        # RNG forked: the policy's initialisation and data order stay as they are without it.
+        with torch.random.fork_rng(devices=[]):
+            ref = self._new_model(
+                load_model_config(recipe.model.model_name_or_path, recipe.model.trust_remote_code)
             )
-        chunk = features.chunkloss_plan.chunk_size if features.enable_chunk_loss else None
-        install_loss_head(ref, features.chunkloss_plan.apply_module, chunk)
         ref.requires_grad_(False)
         # Stored in the compute dtype (parallel.fsdp_plan.param_dtype): FSDP2 casts to it for every
         # forward anyway, so a bf16 copy computes exactly what an fp32 one would, at half the memory.

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -16,6 +18,21 @@ from .metrics import MetricsFile, Progress
 from .rng import rng_state, set_rng_state
 
 log = logging.getLogger("magistral_cli.engine")
+
+
+@contextlib.contextmanager
+def evaluating(model: torch.nn.Module, device_type: str) -> Iterator[None]:
+    """An evaluation's set-up: no gradient, dropout off, and afterwards the model's mode and the RNG
+    states as they were, so that the training that follows is what it would have been without it."""
+    saved_rng = rng_state(device_type)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+        set_rng_state(saved_rng, device_type)
 
 
 def evaluate(
@@ -41,38 +58,31 @@ def evaluate(
     """
     if val_data is None:
         return None
-    saved_rng = rng_state(device_type)
-    was_training = model.training
-    model.eval()
     sums = torch.zeros(3, dtype=torch.float32, device=device)  # numerator, denominator, targets
-    try:
-        with torch.no_grad():
-            for mb in val_data:
-                validate_right_padding(mb["attention_mask"])
-                per_sample = (mb["labels"][:, 1:] != -100).sum(dim=1)
-                targets = int(per_sample.sum())
-                batch = to_device(mb, device)
-                if loss_type == "per_sample_loss":
-                    weights = per_sample_weights(mb["labels"], mb["attention_mask"], mean=False)
-                    batch["sample_weights"] = weights.to(device)
-                if not context_parallel:
-                    loss = model(**batch)
-                else:
-                    loss = model(**batch, num_items_in_batch=1).loss
-                if not targets:
-                    continue  # a filler: the forward ran for FSDP's collectives, nothing to count
-                loss = loss.detach().float()
-                if loss_type == "per_token_loss":
-                    part = torch.stack([loss, loss.new_tensor(float(targets))])
-                elif loss_type == "default":
-                    part = torch.stack([loss / targets, loss.new_tensor(1.0)])
-                else:  # per_sample_loss: the weighted sum is the sum of the sample means
-                    part = torch.stack([loss, loss.new_tensor(float((per_sample > 0).sum()))])
-                sums[:2] += part
-                sums[2] += targets
-    finally:
-        model.train(was_training)
-        set_rng_state(saved_rng, device_type)
+    with evaluating(model, device_type):
+        for mb in val_data:
+            validate_right_padding(mb["attention_mask"])
+            per_sample = (mb["labels"][:, 1:] != -100).sum(dim=1)
+            targets = int(per_sample.sum())
+            batch = to_device(mb, device)
+            if loss_type == "per_sample_loss":
+                weights = per_sample_weights(mb["labels"], mb["attention_mask"], mean=False)
+                batch["sample_weights"] = weights.to(device)
+            if not context_parallel:
+                loss = model(**batch)
+            else:
+                loss = model(**batch, num_items_in_batch=1).loss
+            if not targets:
+                continue  # a filler: the forward ran for FSDP's collectives, nothing to count
+            loss = loss.detach().float()
+            if loss_type == "per_token_loss":
+                part = torch.stack([loss, loss.new_tensor(float(targets))])
+            elif loss_type == "default":
+                part = torch.stack([loss / targets, loss.new_tensor(1.0)])
+            else:  # per_sample_loss: the weighted sum is the sum of the sample means
+                part = torch.stack([loss, loss.new_tensor(float((per_sample > 0).sum()))])
+            sums[:2] += part
+            sums[2] += targets
     dist.all_reduce(sums, group=dp_group)
     numerator, denominator, targets = sums.tolist()
     record = {
