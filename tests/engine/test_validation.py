@@ -56,30 +56,57 @@ def test_evaluation_leaves_the_training_unchanged_and_is_logged(tiny, tmp_path):
     assert val[0]["loss"] != val[1]["loss"]  # the model trained in between
 
 
+class JumpingClock:
+    """``time.perf_counter`` plus an offset that a slow evaluation or save moves forward.
+
+    The step times are then checked against a jump no real tiny step comes near, instead of a
+    wall-clock bound that a loaded machine could cross.
+    """
+
+    JUMP_S = 1000.0
+
+    def __init__(self):
+        self.offset = 0.0
+
+    def perf_counter(self) -> float:
+        return time.perf_counter() + self.offset
+
+
 class SlowEvaluation(Trainer):
-    """An evaluation and a save that take 2 s each (a large split, a slow disk)."""
+    """An evaluation and a save that each take ``JumpingClock.JUMP_S`` on the step log's clock."""
+
+    clock: JumpingClock
 
     def evaluate(self):
-        time.sleep(2.0)
+        self.clock.offset += JumpingClock.JUMP_S
         return super().evaluate()
 
     def save(self):
-        time.sleep(2.0)
+        self.clock.offset += JumpingClock.JUMP_S
         return super().save()
 
 
-def test_step_times_leave_out_evaluations_and_checkpoint_writes(tiny, tmp_path):
+def test_step_times_leave_out_evaluations_and_checkpoint_writes(tiny, tmp_path, monkeypatch):
+    from magistral_cli.engine import step_log
+
+    clock = JumpingClock()
+    monkeypatch.setattr(step_log, "time", clock)
     run_dir = tmp_path / "slow"
     overrides = [*VAL, "training.eval_interval=2", "training.save_interval=2"]
     trainer = SlowEvaluation(make_recipe(tiny, run_dir, overrides, train_iters=4))
+    trainer.clock = clock
     try:
         trainer.train()
     finally:
         trainer.close()
     train = [x for x in _lines(run_dir) if "split" not in x]
     assert [x["step"] for x in train] == [1, 2, 3, 4]
-    # Steps 3 follows an evaluation and a save (4 s); a tiny step takes well under a second.
-    assert all(x["step_time_ms"] < 1500 for x in train), [x["step_time_ms"] for x in train]
+    # Steps 2 and 4 end with an evaluation and a save (a jump each) on the step log's clock:
+    # were either counted, that interval's mean step time would be at least a jump.
+    assert clock.offset >= 4 * JumpingClock.JUMP_S
+    assert all(x["step_time_ms"] < JumpingClock.JUMP_S * 1000 / 4 for x in train), [
+        x["step_time_ms"] for x in train
+    ]
     assert (run_dir / "checkpoints" / "step_2").is_dir()
 
 
