@@ -58,20 +58,42 @@ LOG_TAIL = 15
 
 
 def _forward_stderr(stream, failure_log: Path) -> None:
-    """Copy torchrun's stderr to ours until its failure report starts; keep that report in a file."""
+    """Copy torchrun's stderr to ours until its failure report starts; keep that report in a file.
+
+    The stream is drained to its end whatever happens to the file: a reader that stopped would
+    leave torchrun blocked on a full pipe. Should the file fail (a full disk, a read-only log
+    directory), the report goes on to our stderr after one line saying why.
+    """
     out = None
-    try:
-        for line in stream:
-            if out is None and _TORCHRUN_FAILURE.match(line):
-                out = open(failure_log, "w", encoding="utf-8")  # noqa: SIM115 (closed below)
-            if out is None:
-                sys.stderr.write(line)
-                sys.stderr.flush()
-            else:
-                out.write(line)
-    finally:
+    kept = True  # whether the report can still go to the file
+    for line in stream:
+        if out is None and kept and _TORCHRUN_FAILURE.match(line):
+            try:
+                # Line-buffered, so a full disk shows at the line that hits it, not at close.
+                out = open(failure_log, "w", encoding="utf-8", buffering=1)  # noqa: SIM115 (closed below)
+            except OSError as error:
+                kept = _report_stays_on_stderr(failure_log, error)
         if out is not None:
+            try:
+                out.write(line)
+                continue
+            except OSError as error:
+                with contextlib.suppress(OSError):
+                    out.close()
+                out, kept = None, _report_stays_on_stderr(failure_log, error)
+        sys.stderr.write(line)
+        sys.stderr.flush()
+    if out is not None:
+        with contextlib.suppress(OSError):
             out.close()
+
+
+def _report_stays_on_stderr(failure_log: Path, error: OSError) -> bool:
+    sys.stderr.write(
+        f"magistral: cannot keep torchrun's failure report in {failure_log} "
+        f"({error.strerror or error}); it follows here\n"
+    )
+    return False
 
 
 def _rank_log(run_dir: Path, rank: int) -> Path | None:

@@ -415,3 +415,49 @@ def test_a_rank_killed_by_a_signal_comes_first_and_torchruns_own_stops_after(tmp
     lines, status = failure_report(tmp_path, 1, 2)
     assert status == 1 and lines[0].startswith("rank 1 was killed by signal 9")
     assert lines[-1] == f"rank 0 crashed after rank 1 was killed: {error}"
+
+
+_TORCHRUN_STDERR = [
+    "W1206 rank 0 warming up\n",
+    "Traceback (most recent call last):\n",
+    '  File "run.py", line 1, in <module>\n',
+    "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n",
+    "rank : 1 (local_rank: 1)\n",
+]
+
+
+@pytest.mark.parametrize(
+    "failure_log",
+    [
+        Path("/dev/full"),  # every write fails with ENOSPC, as on a full disk
+        Path("/nonexistent-dir/logs/torchrun_failure.log"),  # the file cannot be created
+    ],
+    ids=["disk-full", "cannot-create"],
+)
+def test_torchrun_stderr_is_drained_to_the_end_when_the_failure_log_fails(failure_log, capsys):
+    """A failing report file never stops the copy (a stopped reader would block torchrun)."""
+    import io
+
+    from magistral_cli.launch import supervise
+
+    if failure_log == Path("/dev/full") and not failure_log.exists():
+        pytest.skip("no /dev/full on this machine")
+    stream = io.StringIO("".join(_TORCHRUN_STDERR))
+    supervise._forward_stderr(stream, failure_log)
+    err = capsys.readouterr().err
+    assert stream.read() == ""  # read to the end
+    assert f"cannot keep torchrun's failure report in {failure_log}" in err
+    for line in _TORCHRUN_STDERR:
+        assert line in err  # the warning before the report, and the whole report after the note
+    assert "Traceback (most recent call last):\n" in err.split("cannot keep")[1]
+
+
+def test_torchrun_failure_report_goes_to_its_file(tmp_path, capsys):
+    import io
+
+    from magistral_cli.launch import supervise
+
+    log = tmp_path / "torchrun_failure.log"
+    supervise._forward_stderr(io.StringIO("".join(_TORCHRUN_STDERR)), log)
+    assert capsys.readouterr().err == _TORCHRUN_STDERR[0]
+    assert log.read_text() == "".join(_TORCHRUN_STDERR[1:])
