@@ -271,6 +271,12 @@ class EncodedDataset:
         return int(self.meta["num_pairs"]) if self.pairs else len(self)
 
     @property
+    def num_images(self) -> int:
+        """Images in the whole entry, from image_offsets.npy alone (its last offset)."""
+        offsets = np.load(self.path / "image_offsets.npy", mmap_mode="r", allow_pickle=False)
+        return int(offsets[-1]) if len(offsets) else 0
+
+    @property
     def lengths(self) -> np.ndarray:
         """Every sample's token count, from offsets.npy alone (8 bytes a sample; nothing else is read)."""
         if self._arrays is not None:

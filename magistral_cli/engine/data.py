@@ -66,7 +66,16 @@ def build_data(recipe: Recipe, *, dp_rank: int, dp_size: int, vocab_size: int) -
         dist.barrier()
     if rank != 0:
         dataset = prepare_dataset(recipe)
-    return build_train_dataloader(recipe, dataset, dp_rank=dp_rank, dp_size=dp_size)
+    loader = build_train_dataloader(recipe, dataset, dp_rank=dp_rank, dp_size=dp_size)
+    # The whole entry's images (the training and the validation split): the same on every rank.
+    loader.may_hold_images = dataset.num_images > 0
+    return loader
+
+
+def may_hold_images(source: DataSource) -> bool:
+    """Whether any micro-batch of ``source`` can hold an image, answered alike on every rank
+    (synthetic batches from ``image_every``, a loader from its cache entry); True when unknown."""
+    return bool(getattr(source, "may_hold_images", True))
 
 
 def build_val_data(

@@ -81,6 +81,11 @@ def install_loss_head(model: nn.Module, module_name: str, chunk_size: int | None
 class Mistral3ForTraining(Mistral3ForConditionalGeneration):
     """``Mistral3ForConditionalGeneration`` whose forward returns the loss sum over target tokens."""
 
+    #: Whether a text-only micro-batch runs the vision tower on one blank image
+    #: (``embed_inputs``); the trainer turns it off where nothing needs it
+    #: (``blank_vision_forward_needed``).
+    blank_vision_forward: bool = True
+
     def forward(  # type: ignore[override]
         self,
         input_ids: torch.Tensor,
@@ -170,10 +175,13 @@ class Mistral3ForTraining(Mistral3ForConditionalGeneration):
         - every rank runs the same FSDP units in the same order, or the all-gathers deadlock
           when only some ranks' micro-batches hold images: a text-only micro-batch runs the
           vision tower on one blank image where an image batch would (after the token
-          embedding, before the decoder) and adds 0 x its output.
+          embedding, before the decoder) and adds 0 x its output, unless
+          ``blank_vision_forward`` is off (``blank_vision_forward_needed`` says when).
         """
         embeds = self.model.get_input_embeddings()(input_ids)
         if pixel_values is None:
+            if not self.blank_vision_forward:
+                return embeds
             blank = self._blank_image_features(embeds)
             return embeds + 0.0 * blank.to(embeds.dtype)
         features = self.image_features(pixel_values, image_sizes).to(embeds.device, embeds.dtype)
@@ -198,6 +206,26 @@ class Mistral3ForTraining(Mistral3ForConditionalGeneration):
         pixels = torch.zeros(1, 3, side, 2 * side, device=like.device, dtype=torch.float32)
         sizes = torch.tensor([[side, 2 * side]])  # a host tensor: Pixtral only slices with it
         return self.image_features(pixels, sizes).float().sum()
+
+
+def blank_vision_forward_needed(model: nn.Module, *, fsdp_world: int, images_possible: bool) -> bool:
+    """Whether text-only micro-batches must still run the vision tower on a blank image.
+
+    The blank forward does two things. It keeps FSDP's collectives in step across ranks when
+    some ranks' micro-batches hold images and others' do not: not needed when the model is
+    sharded over one rank (``fsdp_world`` 1: no collective), nor when no micro-batch of the
+    run can hold an image (``images_possible``, which every rank decides from the same
+    data). And it gives a trainable tower or projector a zero gradient on a text-only step,
+    which AdamW's weight decay then acts on: so a tower or projector with any trainable
+    parameter (unfrozen, or with LoRA adapters) keeps it, and training means what it did.
+    Otherwise the frozen tower's blank forward is pure cost: a forward of every vision layer
+    and, under FSDP2, an all-gather of its weights, every micro-batch.
+    """
+    inner = model.model
+    vision = [inner.vision_tower, inner.multi_modal_projector]
+    if any(p.requires_grad for module in vision for p in module.parameters()):
+        return True
+    return fsdp_world > 1 and images_possible
 
 
 def check_image_tokens(config, input_ids: torch.Tensor, image_sizes: torch.Tensor | None) -> None:

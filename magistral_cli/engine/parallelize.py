@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -218,7 +219,7 @@ def prefetch_plan(units: list, forward: int, backward: int) -> list[tuple[object
     return plan
 
 
-def apply_prefetch(model: nn.Module, plan: FSDPPlan) -> int:
+def apply_prefetch(model: nn.Module, plan: FSDPPlan, leave_out: Sequence[nn.Module] = ()) -> int:
     """Explicit all-gather prefetch along every FSDP unit of the model, as the seed chains it.
 
     ``num_to_forward_prefetch`` / ``num_to_backward_prefetch`` units ahead, over the whole chain
@@ -228,18 +229,45 @@ def apply_prefetch(model: nn.Module, plan: FSDPPlan) -> int:
     implicitly; explicit prefetch issues the all-gathers earlier from the CPU and, above 1, holds
     more gathered units at once (the memory plan counts ``num_to_backward_prefetch``). Returns
     how many units got a prefetch list.
+
+    ``leave_out``: modules whose units the forward will not run (the frozen vision tower and
+    projector when text-only micro-batches skip them, ``Mistral3ForTraining.blank_vision_forward``
+    off); calling again re-chains without them, since a unit prefetched but never run would stay
+    gathered.
     """
     nf, nb = plan.num_to_forward_prefetch, plan.num_to_backward_prefetch
     if nf == 0 and nb == 0:
         return 0
+    units = fsdp_units_in_order(model)
+    if leave_out:
+        inside = {id(m) for outer in leave_out for m in outer.modules()}
+        left = [u for u in units if id(u) in inside]
+        units = [u for u in units if id(u) not in inside]
+        for unit in left:  # never run, so never asked to prefetch either
+            unit.set_modules_to_forward_prefetch([])
+            unit.set_modules_to_backward_prefetch([])
     count = 0
-    for unit, ahead, behind in prefetch_plan(fsdp_units_in_order(model), nf, nb):
-        if ahead:
-            unit.set_modules_to_forward_prefetch(ahead)
-        if behind:
-            unit.set_modules_to_backward_prefetch(behind)
+    for unit, ahead, behind in prefetch_plan(units, nf, nb):
+        unit.set_modules_to_forward_prefetch(ahead)
+        unit.set_modules_to_backward_prefetch(behind)
         count += bool(ahead or behind)
     return count
+
+
+def skip_blank_vision_forward(
+    model: nn.Module, plan: FSDPPlan, *, fsdp_world: int, images_possible: bool
+) -> bool:
+    """Turn off the blank vision forward of text-only micro-batches where nothing needs it
+    (``model.blank_vision_forward_needed``), and chain the prefetch without the tower and the
+    projector, which then run only for images. Returns whether it was turned off."""
+    from .model import blank_vision_forward_needed
+
+    if blank_vision_forward_needed(model, fsdp_world=fsdp_world, images_possible=images_possible):
+        return False
+    model.blank_vision_forward = False
+    inner = model.model
+    apply_prefetch(model, plan, leave_out=[inner.vision_tower, inner.multi_modal_projector])
+    return True
 
 
 @dataclass

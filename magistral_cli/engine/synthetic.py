@@ -90,6 +90,11 @@ class SyntheticBatches(MicroBatchCounter):
         self.pairs = pairs
         self.yielded = 0
 
+    @property
+    def may_hold_images(self) -> bool:
+        """Whether any micro-batch can hold an image (``engine.data.may_hold_images``)."""
+        return self.image_every > 0
+
     def __next__(self) -> dict[str, torch.Tensor]:
         step, micro = divmod(self.yielded, self.grad_accumulation)
         per_rank = self.micro_batch_size * self.grad_accumulation

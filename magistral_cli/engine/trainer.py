@@ -25,7 +25,7 @@ from magistral_cli.runtime.device import parse_dtype
 from . import checkpoint as ckpt
 from . import lora as lora_mod
 from .batch import check_micro_batch, per_sample_weights, to_device
-from .data import DataSource, build_sources
+from .data import DataSource, build_sources, may_hold_images
 from .metrics import FLOP_UNIT, micro_batch_flops, step_record, write_summary
 from .model import (
     build_model,
@@ -36,7 +36,7 @@ from .model import (
 )
 from .nonfinite import NonFiniteSteps
 from .optim import build_optimizer, clip_grads_, grad_norm_and_sums, lr_at
-from .parallelize import ParallelDims, parallelize_model
+from .parallelize import ParallelDims, parallelize_model, skip_blank_vision_forward
 from .preference import PreferenceStep, evaluate_pairs, metrics_of, reference_source
 from .profiling import MemoryProfiler, StepProfiler
 from .resume import CheckpointManager
@@ -124,6 +124,15 @@ class Trainer:
             dp_size=self.dims.dp,
             vocab_size=self.model.config.text_config.vocab_size,
         )
+        # Text-only micro-batches skip the frozen vision tower's blank forward where no rank needs it.
+        for model in (self.model, self.preference and self.preference.reference):
+            if model is not None:
+                skip_blank_vision_forward(
+                    model,
+                    recipe.parallel.fsdp_plan,
+                    fsdp_world=self.dims.dp * self.dims.cp,
+                    images_possible=may_hold_images(self.data),
+                )
         # The resume policy and the checkpoints' state: what this run starts from.
         self.checkpoints = CheckpointManager(
             recipe,
