@@ -423,3 +423,29 @@ def test_too_few_samples_for_one_global_batch(recipe_for, encoded):
     recipe = recipe_for(training={"micro_batch_size": 16})
     with pytest.raises(UserError, match="do not fill one global batch of 48"):
         build_train_dataloader(recipe, encoded, dp_rank=0, dp_size=3)
+
+
+def test_an_entry_counts_its_images_for_the_engine(encoded, recipe_for):
+    """The whole entry's image count decides whether text-only micro-batches may skip the vision tower."""
+    from magistral_cli.engine.data import build_data, may_hold_images
+
+    assert encoded.num_images == sum(len(encoded[i].images) for i in range(len(encoded))) > 0
+    loader = build_data(recipe_for(), dp_rank=0, dp_size=1, vocab_size=512)
+    assert may_hold_images(loader) is True
+    assert may_hold_images(iter([])) is True  # a source that cannot say: the blank forward stays
+
+
+def test_a_text_only_entry_has_no_images_for_the_engine(model_dir, make_recipe, tmp_path):
+    import json
+
+    from magistral_cli.engine.data import build_data, may_hold_images
+
+    rows = [
+        {"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+        for i in range(4)
+    ]
+    dataset = tmp_path / "text.jsonl"
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    recipe = make_recipe(model_dir, dataset, tmp_path / "cache")
+    assert prepare_dataset(recipe).num_images == 0
+    assert may_hold_images(build_data(recipe, dp_rank=0, dp_size=1, vocab_size=512)) is False
