@@ -441,7 +441,12 @@ def test_a_text_only_entry_has_no_images_for_the_engine(model_dir, make_recipe, 
     from magistral_cli.engine.data import build_data, may_hold_images
 
     rows = [
-        {"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+        {
+            "messages": [
+                {"role": "user", "content": f"question {i}"},
+                {"role": "assistant", "content": f"answer {i}"},
+            ]
+        }
         for i in range(4)
     ]
     dataset = tmp_path / "text.jsonl"

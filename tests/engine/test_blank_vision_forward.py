@@ -62,7 +62,9 @@ def test_one_rank_skips_it_with_the_same_losses(tiny, tmp_path):
     """One process, micro-batches with and without images: the same losses with and without the blank forward."""
     runs = {}
     for blank in (False, True):
-        recipe = make_recipe(tiny, tmp_path / f"run-{blank}", FROZEN + PREFETCH, micro_batch_size=1, train_iters=4)
+        recipe = make_recipe(
+            tiny, tmp_path / f"run-{blank}", FROZEN + PREFETCH, micro_batch_size=1, train_iters=4
+        )
         trainer = Trainer(recipe)
         try:
             assert trainer.model.blank_vision_forward is False  # one rank, tower frozen: skipped
