@@ -22,6 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from magistral_cli.checkpoint.staging import current_umask
 from magistral_cli.config import load_recipe
 from magistral_cli.engine.loggers import check_logger_available
 from magistral_cli.errors import UserError
@@ -185,7 +186,8 @@ def plan_slurm(
     text = render_script(launch, options, procs, recipe_path, overrides, workdir)
     script = run_dir / SCRIPT_NAME
     script.write_text(text, encoding="utf-8")
-    script.chmod(0o755)
+    # Executable by whoever may read it: the user's umask decides (077 keeps the job script private).
+    script.chmod(0o777 & ~current_umask())
     return SlurmPlan(launch, script, text, options.nodes, procs, warnings)
 
 

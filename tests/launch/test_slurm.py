@@ -294,3 +294,15 @@ def test_a_submission_checks_inputs_and_the_logger_package_first(machine, monkey
     result = runner.invoke(app, [*base, "tools.logger=wandb"])
     assert result.exit_code == 2, result.output
     assert "pip install 'magistral-cli[wandb]'" in result.stderr and not calls.exists()
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o755), (0o077, 0o700)])
+def test_the_script_follows_the_umask(machine, umask, mode):
+    import os
+
+    old = os.umask(umask)
+    try:
+        plan = plan_slurm(EIGHT_CARD, machine["overrides"], SlurmOptions(nodes=2, gpus_per_node=8))
+    finally:
+        os.umask(old)
+    assert plan.script.stat().st_mode & 0o777 == mode
