@@ -67,6 +67,9 @@ _ORDER = [
 _MAX_HEADER = 100 * 1024 * 1024
 # Writes of 1 MiB: one pwrite of a whole large tensor measured several times slower here.
 _WRITE_CHUNK = 1 << 20
+#: With ``sync_early``, a background ``fdatasync`` starts after every this many bytes written, so
+#: the disk writes a large file while it is still being filled (not all of it after its last byte).
+SYNC_EVERY = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -157,9 +160,11 @@ class SafetensorsStreamWriter:
     and closes the file (with an fsync if asked).
 
     ``sync_early``: an executor (one background thread) that starts the file's fsync as soon as
-    its last byte is written, so the disk writes it while the caller fills the next file;
-    ``close(fsync=True)`` then waits for that sync. An exporter that fsyncs every file at the
-    end instead leaves the disk idle while it copies and the copy idle while the disk writes.
+    its last byte is written, so the disk writes it while the caller fills the next file, and an
+    ``fdatasync`` of what is written so far after every ``SYNC_EVERY`` bytes, so that a large file
+    (or the only one) is not written out all at once after its last byte; ``close(fsync=True)``
+    then waits for those syncs. An exporter that fsyncs every file at the end instead leaves the
+    disk idle while it copies and the copy idle while the disk writes.
     """
 
     def __init__(
@@ -171,7 +176,9 @@ class SafetensorsStreamWriter:
     ):
         self.path = Path(path)
         self._sync_early = sync_early
-        self._synced: Future | None = None
+        self._synced: Future | None = None  # the final fsync, once every byte is in
+        self._partial: list[Future] = []  # fdatasyncs of the bytes written so far
+        self._since_sync = 0
         self._specs = {s.name: s for s in safetensors_layout(specs)}
         self._offsets: dict[str, int] = {}
         header: dict[str, Any] = {}
@@ -269,6 +276,12 @@ class SafetensorsStreamWriter:
         self._unwritten -= nbytes
         if self._remaining[name] < 0:
             raise ValueError(f"{self.path.name}: {name!r} got more bytes than its shape holds")
+        self._since_sync += nbytes
+        # One at a time: a sync still running when the next is due has that much more to do.
+        idle = not self._partial or self._partial[-1].done()
+        if self._sync_early is not None and self._unwritten and self._since_sync >= SYNC_EVERY and idle:
+            self._partial.append(self._sync_early.submit(os.fdatasync, self._fd))
+            self._since_sync = 0
         if self._remaining[name] == 0:
             self._tensor_done(name)
         return nbytes
@@ -292,8 +305,9 @@ class SafetensorsStreamWriter:
                     f"{self.path.name} has {size} bytes, expected {self._data_start + self.nbytes}"
                 )
             if fsync:
-                if self._synced is not None:
-                    self._synced.result()  # the early sync's error, if it had one
+                for sync in [*self._partial, self._synced]:
+                    if sync is not None:
+                        sync.result()  # an early sync's error, if it had one
                 os.fsync(self._fd)  # nothing left to write after an early sync: returns at once
         finally:
             self._wait_for_sync()
@@ -308,9 +322,10 @@ class SafetensorsStreamWriter:
             self._fd = -1
 
     def _wait_for_sync(self) -> None:
-        """An early sync must end before the descriptor closes (a closed number can be reused)."""
-        if self._synced is not None:
-            wait([self._synced])
+        """Early syncs must end before the descriptor closes (a closed number can be reused)."""
+        pending = [sync for sync in [*self._partial, self._synced] if sync is not None]
+        if pending:
+            wait(pending)
 
 
 class StreamWriters:

@@ -109,6 +109,33 @@ def test_early_sync_starts_when_the_last_byte_is_in_and_keeps_the_bytes(tmp_path
     assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
 
 
+def test_a_large_file_is_synced_while_it_fills(tmp_path, monkeypatch):
+    """``sync_early``: after every ``SYNC_EVERY`` bytes an fdatasync of what is written so far starts
+    in the background (one at a time), before the last byte; close waits for all; same bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from magistral_cli.checkpoint import safetensors_io
+
+    monkeypatch.setattr(safetensors_io, "SYNC_EVERY", 16)
+    tensors = _tensors()
+    save_file(tensors, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    specs = [TensorSpec(k, safetensors_dtype(v.dtype), tuple(v.shape)) for k, v in tensors.items()]
+    with ThreadPoolExecutor(1) as pool:
+        writer = SafetensorsStreamWriter(
+            tmp_path / "ours.safetensors", specs, metadata={"format": "pt"}, sync_early=pool
+        )
+        written = [k for k in tensors if k != "f.empty"]
+        for key in written[:-1]:
+            if writer._partial:  # let each one finish, so that the next may start
+                writer._partial[-1].result()
+            writer.write(key, tensors[key])
+        assert writer._partial and writer._synced is None  # synced in part, bytes still to come
+        writer.write(written[-1], tensors[written[-1]])
+        writer.close(fsync=True)
+        assert all(s.done() and s.exception() is None for s in [*writer._partial, writer._synced])
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
 def test_stream_writers_sync_a_file_while_the_next_fills_and_close_all_at_the_end(tmp_path):
     """``StreamWriters(fsync=True)``: a finished file's sync starts before the next file is opened,
     every file stays open until the block ends, and then each is complete and equal to save_file's."""
