@@ -86,37 +86,18 @@ def test_row_blocks_complete_a_tensor(tmp_path):
     assert (tmp_path / "rows.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
 
 
-def test_early_sync_starts_when_the_last_byte_is_in_and_keeps_the_bytes(tmp_path):
+@pytest.mark.parametrize("sync_every", [None, 16], ids=["at-the-last-byte", "also-while-filling"])
+def test_early_sync_starts_when_the_last_byte_is_in_and_keeps_the_bytes(tmp_path, monkeypatch, sync_every):
     """``sync_early``: the fsync is submitted once every byte of the file is written (an empty
-    tensor never written does not hold it back), close waits for it; the file is unchanged."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    tensors = _tensors()
-    save_file(tensors, tmp_path / "ref.safetensors", metadata={"format": "pt"})
-    specs = [TensorSpec(k, safetensors_dtype(v.dtype), tuple(v.shape)) for k, v in tensors.items()]
-    with ThreadPoolExecutor(1) as pool:
-        writer = SafetensorsStreamWriter(
-            tmp_path / "ours.safetensors", specs, metadata={"format": "pt"}, sync_early=pool
-        )
-        written = [k for k in tensors if k != "f.empty"]
-        for key in written[:-1]:
-            writer.write(key, tensors[key])
-        assert writer._synced is None  # bytes still to come
-        writer.write(written[-1], tensors[written[-1]])
-        assert writer._synced is not None
-        writer.close(fsync=True)
-        assert writer._synced.done() and writer._synced.exception() is None
-    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
-
-
-def test_a_large_file_is_synced_while_it_fills(tmp_path, monkeypatch):
-    """``sync_early``: after every ``SYNC_EVERY`` bytes an fdatasync of what is written so far starts
-    in the background (one at a time), before the last byte; close waits for all; same bytes."""
+    tensor never written does not hold it back), and an fdatasync of what is written so far after
+    every ``SYNC_EVERY`` bytes (one at a time), so a large file is written out while it fills;
+    close waits for all of them; the file is unchanged."""
     from concurrent.futures import ThreadPoolExecutor
 
     from magistral_cli.checkpoint import safetensors_io
 
-    monkeypatch.setattr(safetensors_io, "SYNC_EVERY", 16)
+    if sync_every:
+        monkeypatch.setattr(safetensors_io, "SYNC_EVERY", sync_every)
     tensors = _tensors()
     save_file(tensors, tmp_path / "ref.safetensors", metadata={"format": "pt"})
     specs = [TensorSpec(k, safetensors_dtype(v.dtype), tuple(v.shape)) for k, v in tensors.items()]
@@ -129,8 +110,10 @@ def test_a_large_file_is_synced_while_it_fills(tmp_path, monkeypatch):
             if writer._partial:  # let each one finish, so that the next may start
                 writer._partial[-1].result()
             writer.write(key, tensors[key])
-        assert writer._partial and writer._synced is None  # synced in part, bytes still to come
+        assert writer._synced is None  # bytes still to come
+        assert bool(writer._partial) == bool(sync_every)  # synced in part (only small files here)
         writer.write(written[-1], tensors[written[-1]])
+        assert writer._synced is not None
         writer.close(fsync=True)
         assert all(s.done() and s.exception() is None for s in [*writer._partial, writer._synced])
     assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
