@@ -300,6 +300,7 @@ def fetch_assets(
     progress: FetchProgress | None = None,
     workers: int | None = None,
     quarantine: bool | None = None,
+    native: bool = False,
 ) -> FetchReport:
     """Download (unless ``verify_only``) and verify the lock's files in ``model_dir``.
 
@@ -308,6 +309,9 @@ def fetch_assets(
     A file that does not match is moved into ``.magistral-quarantine/``: always when fetching (a
     new copy replaces it), with ``verify_only`` only when ``quarantine`` is true (a check moves
     nothing of the user's unless asked).
+
+    ``native``: also the lock's native-layout files (``params.json``, ``consolidated.safetensors``).
+    A directory whose manifest records any of them has them checked on every run, asked or not.
     """
     import time
 
@@ -347,6 +351,14 @@ def fetch_assets(
                     message=f"weight shards not checked: their index {lock.weights.index} failed",
                 )
             )
+
+    if native and lock.native is None:
+        raise UserError(
+            f"the lock {lock.path} lists no native-layout files (no 'native' entry); drop --native or "
+            "pass a lock that has one"
+        )
+    if lock.native is not None and (native or any(n in fetcher.manifest for n in lock.native.names)):
+        results += fetcher.run_group(lock.native.locked_files())
 
     report = FetchReport(
         model_dir=model_dir,

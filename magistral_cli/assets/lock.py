@@ -17,8 +17,14 @@ Format (``format: 1``)::
         ...
       ],
       "weights": {"repo": "...", "revision": "<40 hex>", "index": "model.safetensors.index.json",
-                  "pattern": "model-*.safetensors", "sha256": null, "note": "..."}
+                  "pattern": "model-*.safetensors", "sha256": null, "note": "..."},
+      "native": {"repo": "...", "revision": "<40 hex>",
+                 "files": ["params.json", "consolidated.safetensors"], "note": "..."}
     }
+
+``native`` (optional) lists Mistral's own layout's files, fetched only when asked for
+(``magistral fetch --native``): pinned by revision like the shards, each checked at first download
+against the SHA-256 the Hub serves as an LFS file's ETag, and recorded in the manifest.
 
 ``source`` is ``official`` (the model's own repository) or the name of a third-party source
 (``unsloth``) whose files are fetched only when asked for (``--tokenizer-source unsloth``).
@@ -98,6 +104,19 @@ class WeightsSpec:
 
 
 @dataclass(frozen=True)
+class NativeSpec:
+    """Mistral's native layout's files (``params.json``, ``consolidated.safetensors``), pinned by revision."""
+
+    repo: str
+    revision: str
+    names: tuple[str, ...]
+    note: str = ""
+
+    def locked_files(self) -> list[LockedFile]:
+        return [LockedFile(name, self.repo, self.revision, None, None, OFFICIAL_SOURCE) for name in self.names]
+
+
+@dataclass(frozen=True)
 class AssetLock:
     """A parsed, validated lock file."""
 
@@ -106,6 +125,7 @@ class AssetLock:
     files: tuple[LockedFile, ...]
     weights: WeightsSpec | None
     extra: dict[str, Any] = field(default_factory=dict)
+    native: NativeSpec | None = None
 
     def select(self, tokenizer_source: str = OFFICIAL_SOURCE) -> list[LockedFile]:
         """The listed files for a tokenizer source: ``official`` takes only the official repository's
@@ -228,6 +248,28 @@ def load_lock(path: str | Path | None = None) -> AssetLock:
             )
         weights = WeightsSpec(repo, revision, index, pattern, str(raw_w.get("note", "")))
 
+    native = _native_spec(data.get("native"), f"{where}, native", seen)
     model = data.get("model") or (weights.repo if weights else files[0].repo)
-    extra = {k: v for k, v in data.items() if k not in ("format", "files", "weights", "model")}
-    return AssetLock(lock_path, str(model), tuple(files), weights, extra)
+    extra = {k: v for k, v in data.items() if k not in ("format", "files", "weights", "model", "native")}
+    return AssetLock(lock_path, str(model), tuple(files), weights, extra, native)
+
+
+def _native_spec(raw: Any, where: str, listed: set[str]) -> NativeSpec | None:
+    """The lock's optional ``native`` entry (None when absent), every name checked."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise UserError(f"{where}: expected an object")
+    unknown = set(raw) - {"repo", "revision", "files", "note"}
+    if unknown:
+        raise UserError(f"{where}: unknown keys {sorted(unknown)}")
+    repo, revision = _req(raw, "repo", where), _req(raw, "revision", where)
+    _check_repo_revision(repo, revision, where)
+    names = _req(raw, "files", where)
+    if not isinstance(names, list) or not names:
+        raise UserError(f"{where}: 'files' must be a non-empty list of file names")
+    for name in names:
+        check_relative_name(name, f"{where}: file name")
+        if name in listed or names.count(name) > 1:
+            raise UserError(f"{where}: {name!r} is listed twice (each file belongs to one entry)")
+    return NativeSpec(repo, revision, tuple(names), str(raw.get("note", "")))

@@ -110,6 +110,14 @@ def fetch_command(
             "unsloth: add the third-party tokenizer/processor files.",
         ),
     ] = TokenizerSource.official,
+    native: Annotated[
+        bool,
+        typer.Option(
+            "--native",
+            help="Add Mistral's native layout (params.json, consolidated.safetensors: vLLM's "
+            "--load-format mistral); about as large again as the weight shards.",
+        ),
+    ] = False,
     verify_only: Annotated[
         bool,
         typer.Option(
@@ -157,6 +165,7 @@ def fetch_command(
             verify_only=verify_only,
             quarantine=quarantine or not verify_only,
             progress=_RichFetchProgress(progress),
+            native=native,
         )
     if json_out:
         emit_json(report.to_json())

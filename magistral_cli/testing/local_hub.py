@@ -448,9 +448,10 @@ SYNTHETIC_THIRD_PARTY = ("synthetic-tok/Tiny-Magistral", hashlib.sha1(b"unsloth"
 def add_synthetic_model(hub: LocalHub, shard_sizes: tuple[int, ...] = (3_000_000, 24_000_000)) -> dict:
     """Serve a small synthetic model laid out like Magistral-Small-2509's two repositories and
     return a lock (as a dict) that pins it: config, index, tekken.json and shards in the official
-    repository, tokenizer files in the third-party one. Shard contents are random bytes (the hub
-    does not care what they are); the default second shard is over 10 MiB so that a cut download
-    has whole client chunks to resume from."""
+    repository, tokenizer files in the third-party one, and the native layout's ``params.json`` and
+    ``consolidated.safetensors`` (the lock's ``native`` entry, fetched with ``--native``). Shard
+    contents are random bytes (the hub does not care what they are); the default second shard is
+    over 10 MiB so that a cut download has whole client chunks to resume from."""
     import os
 
     official, third = SYNTHETIC_OFFICIAL, SYNTHETIC_THIRD_PARTY
@@ -491,6 +492,12 @@ def add_synthetic_model(hub: LocalHub, shard_sizes: tuple[int, ...] = (3_000_000
             )
     for name, data in shards.items():
         hub.add_file(*official, name, data)
+    native = {
+        "params.json": json.dumps({"dim": 64, "n_layers": 2, "vocab_size": 1000}).encode(),
+        "consolidated.safetensors": os.urandom(sum(shard_sizes) // 8),
+    }
+    for name, data in native.items():
+        hub.add_file(*official, name, data)
     return {
         "format": 1,
         "model": official[0],
@@ -503,6 +510,7 @@ def add_synthetic_model(hub: LocalHub, shard_sizes: tuple[int, ...] = (3_000_000
             "sha256": None,
             "note": "synthetic",
         },
+        "native": {"repo": official[0], "revision": official[1], "files": list(native), "note": "synthetic"},
     }
 
 

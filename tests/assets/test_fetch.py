@@ -238,3 +238,55 @@ def test_unreadable_file_is_reported_not_a_crash(tmp_path, hub, lock):
     report = fetch_assets(model, lock, weights=False, verify_only=True)
     (bad,) = report.failures
     assert bad.name == "tekken.json" and "could not read" in bad.message
+
+
+NATIVE = ["params.json", "consolidated.safetensors"]
+
+
+def test_native_adds_mistrals_own_files_checked_against_the_hub_and_kept_checked(tmp_path, hub, lock):
+    model = tmp_path / "model"
+    plain = fetch_assets(model, lock, weights=False)
+    assert plain.ok and not any((model / name).exists() for name in NATIVE)  # only when asked
+
+    report = fetch_assets(model, lock, weights=False, native=True)
+    assert report.ok, report.to_json()
+    by_name = {f.name: f for f in report.files}
+    # The LFS file is checked against the SHA-256 the Hub serves; the small git file has none.
+    assert (
+        by_name["consolidated.safetensors"].expected_from,
+        by_name["consolidated.safetensors"].status,
+    ) == (
+        "hub",
+        "ok",
+    )
+    assert by_name["params.json"].status == "recorded"
+    manifest = read_manifest(model)
+    for name in NATIVE:
+        data = (model / name).read_bytes()
+        assert data == served(hub, REPO, REV, name)
+        assert manifest[name].sha256 == hashlib.sha256(data).hexdigest()
+
+    # Recorded once, checked on every later run, --native or not; a changed byte is caught offline.
+    hub.stop()
+    again = fetch_assets(model, lock, weights=False, verify_only=True)
+    assert again.ok and {f.name: f.expected_from for f in again.files if f.name in NATIVE} == {
+        "params.json": "manifest",
+        "consolidated.safetensors": "manifest",
+    }
+    with open(model / "consolidated.safetensors", "r+b") as handle:
+        handle.seek(100)
+        byte = handle.read(1)
+        handle.seek(100)
+        handle.write(bytes([byte[0] ^ 1]))
+    tampered = fetch_assets(model, lock, weights=False, verify_only=True)
+    (failure,) = tampered.failures
+    assert failure.name == "consolidated.safetensors" and failure.status == "mismatch"
+    assert (model / "consolidated.safetensors").exists()  # --verify-only moves nothing
+
+
+def test_native_with_a_lock_that_lists_none_is_refused(tmp_path, hub, lock):
+    data = json.loads(lock.read_text())
+    del data["native"]
+    lock.write_text(json.dumps(data))
+    with pytest.raises(UserError, match="lists no native-layout files.*drop --native"):
+        fetch_assets(tmp_path / "model", lock, weights=False, native=True)

@@ -85,6 +85,11 @@ def test_packaged_lock_pins_the_seed_sums_and_sizes():
     raw = json.loads(RECIPE_LOCK.read_text())
     assert raw["weights"]["sha256"] is None
     assert "does not record" in raw["weights"]["note"]
+    # Mistral's native layout, optional (fetch --native), at the weights' revision.
+    assert lock.native is not None
+    assert (lock.native.repo, lock.native.revision) == OFFICIAL
+    assert lock.native.names == ("params.json", "consolidated.safetensors")
+    assert all(f.sha256 is None for f in lock.native.locked_files())
 
 
 def test_tokenizer_sources_select_files():
@@ -133,6 +138,12 @@ def _write_lock(tmp_path, mutate):
         (lambda d: d["weights"].update(index="other.json"), "must also be listed in 'files'"),
         (lambda d: d["weights"].update(sha256="ab" * 32), "sha256 null"),
         (lambda d: d.update(format=2), "format 2 is not supported"),
+        (lambda d: d["native"].update(files=["tekken.json"]), "'tekken.json' is listed twice"),
+        (lambda d: d["native"].update(files=["params.json", "params.json"]), "listed twice"),
+        (lambda d: d["native"].update(files=[]), "non-empty list"),
+        (lambda d: d["native"].update(files=["../params.json"]), "escape the model directory"),
+        (lambda d: d["native"].update(revision="main"), "not a full 40-character commit"),
+        (lambda d: d["native"].update(sha256=None), "unknown keys"),
     ],
 )
 def test_bad_locks_name_the_problem(tmp_path, mutate, message):

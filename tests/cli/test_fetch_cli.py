@@ -134,3 +134,19 @@ def test_console_script_runs_a_fetch(tmp_path, hub, lock):
     assert "all 3 files verified" in out.stderr
     repo, rev = SYNTHETIC_OFFICIAL
     assert (model / "config.json").read_bytes() == (hub.root / repo / rev / "config.json").read_bytes()
+
+
+def test_native_fetches_mistrals_own_layout_too(tmp_path, hub, lock):
+    model = tmp_path / "model"
+    result = fetch("--model-dir", model, "--lock", lock, "--no-weights", "--native")
+    assert result.exit_code == 0, result.output
+    assert "all 5 files verified" in result.output  # config, index, tekken + params, consolidated
+    for name in ("params.json", "consolidated.safetensors"):
+        assert (model / name).read_bytes() == (
+            hub.root / SYNTHETIC_OFFICIAL[0] / SYNTHETIC_OFFICIAL[1] / name
+        ).read_bytes()
+    data = json.loads(lock.read_text())
+    del data["native"]
+    lock.write_text(json.dumps(data))
+    result = fetch("--model-dir", model, "--lock", lock, "--native")
+    assert result.exit_code == 2 and "lists no native-layout files" in result.output
