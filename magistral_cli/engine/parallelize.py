@@ -269,7 +269,9 @@ def parallelize_model(
 
     0. (Before this function, after the loss head) **LoRA** (``model.lora``, ``lora``: what
        ``engine.lora.apply_lora`` did): PEFT's layers replace the target Linear layers and the
-       base is frozen, so every later step sees the final modules and ``requires_grad``.
+       base is frozen, so every later step sees the final modules and ``requires_grad``. With
+       ``quantize_base: nf4`` the frozen decoder Linear weights then become (meta) NF4 tensors
+       (``engine.qlora.quantize_base_``), so FSDP2 shards and all-gathers them 4-bit.
     1. **Freeze** (``model.freeze``): ``fully_shard`` records ``requires_grad`` when it builds its
        parameter groups, so this comes before FSDP.
     2. **Module kernels**: the contiguous-Linear weight gradient
@@ -289,7 +291,8 @@ def parallelize_model(
        sequence and the root forward returns the loss sum over the whole sequence (``loss_fn``
        computes it from the hidden states); it wraps the sharded model's forward.
     7. **Materialize** (``training.init_model_with_meta_device``): allocate the sharded storage on
-       ``device``; the weights are loaded afterwards.
+       ``device`` (QLoRA's NF4 weights too: ``qlora.materialize_nf4_``); the weights are loaded
+       afterwards (an NF4 weight is quantised as it loads).
     8. **LoRA init** (with ``lora``): PEFT's ``init_lora_weights`` re-run on the sharded adapters,
        each full tensor drawn from ``training.seed`` (a meta build leaves them uninitialised; the
        values do not depend on the sharding or on the meta build). The base loader skips them.
@@ -339,6 +342,9 @@ def parallelize_model(
         log.info("context parallel: %s", done.context_parallel)
     if recipe.training.init_model_with_meta_device:
         materialize(model, device)
+        from .qlora import materialize_nf4_
+
+        materialize_nf4_(model, device)
     if lora is not None:
         from .lora import init_adapter_weights
 
