@@ -1,10 +1,11 @@
 """QLoRA (``model.lora.quantize_base: nf4``): torchao's NF4 base under PEFT's adapters and FSDP2.
 
 One process: the tiny model's decoder weights round-trip through NF4 within the code book's
-bound, and the quantised forward equals a forward over explicitly dequantised fp32 weights.
-Two gloo ranks through the trainer: QLoRA from the HF files equals, step for step, plain LoRA whose
-base *is* the dequantised NF4 weights (written as an HF model: the same function); its loss falls;
-a resumed run whose base loads from a DCP checkpoint continues exactly.
+bound, and the quantised forward (and the adapters' gradients) equal those over explicitly
+dequantised fp32 weights. Two gloo ranks through the trainer (recompute on): QLoRA from the HF files
+equals, step for step, plain LoRA whose base *is* the dequantised NF4 weights (written as an HF model:
+the same function); its loss falls; a resumed run whose base loads from a DCP checkpoint continues
+exactly; its adapters export as PEFT files that peft loads onto the original base in bf16.
 """
 
 from __future__ import annotations
@@ -163,6 +164,9 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings(
+    "ignore:.*is_gradient_checkpointing"
+)  # PeftModel.from_pretrained on transformers 5.x
 def test_qlora_on_two_ranks_equals_lora_on_the_dequantised_base_and_resumes_exactly(tmp_path):
     from magistral_cli.checkpoint.hf_to_dcp import convert_hf_to_dcp
     from magistral_cli.engine.model import build_model
@@ -185,3 +189,31 @@ def test_qlora_on_two_ranks_equals_lora_on_the_dequantised_base_and_resumes_exac
     assert r_losses == q_losses
     assert _max_diff(r_params, q_params) == 0.0
     print("qlora", q_losses, "lora", l_losses, "max adapter diff", _max_diff(q_params, l_params))
+
+    # The adapters export as PEFT files and load with peft onto the original base in bf16 (how a QLoRA
+    # run is served): PEFT holds the trained adapters and the model's output moves off the base's.
+    from peft import PeftModel
+    from transformers import Mistral3ForConditionalGeneration
+
+    from magistral_cli.checkpoint.lora_export import export_lora
+    from magistral_cli.engine.lora import read_checkpoint_record
+
+    checkpoint = tmp_path / "resume" / "checkpoints" / f"step_{STEPS}"
+    assert read_checkpoint_record(checkpoint)["quantize_base"] == "nf4"
+    export_lora(checkpoint, tmp_path / "model", tmp_path / "adapters", "adapters")
+
+    def bf16_base():
+        return Mistral3ForConditionalGeneration.from_pretrained(
+            tmp_path / "model", dtype=torch.bfloat16
+        ).eval()
+
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        base_logits = bf16_base()(input_ids=ids).logits
+        peft_model = PeftModel.from_pretrained(bf16_base(), tmp_path / "adapters").eval()
+        logits = peft_model(input_ids=ids).logits
+    loaded = {n.replace("base_model.model.", ""): p for n, p in peft_model.named_parameters() if "lora_" in n}
+    assert loaded.keys() == r_params.keys()
+    for name, value in loaded.items():
+        assert torch.equal(value.float(), torch.tensor(r_params[name]).to(value.dtype).float()), name
+    assert not torch.equal(logits, base_logits)
