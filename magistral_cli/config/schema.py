@@ -676,8 +676,17 @@ class LoraConfig(Section):
             "Addition. QLoRA: 'nf4' stores the frozen Linear weights of the decoder layers in 4-bit NormalFloat "
             "(torchao's NF4Tensor: per-block absmax scales, double-quantised as in the QLoRA paper), quantised "
             "per parameter as they load and dequantised per Linear in the forward and backward; norms, "
-            "embeddings, the lm_head, the projector and the vision tower stay in param_dtype. Needs "
+            "embeddings, the lm_head and (unless quantize_apply_to names them) the projector and the vision "
+            "tower stay in param_dtype. Needs "
             "`pip install 'magistral-cli[qlora]'`. 'none': the base in param_dtype (plain LoRA)."
+        ),
+    )
+    quantize_apply_to: list[Literal["language_model", "projector", "vision_tower"]] = Field(
+        default_factory=lambda: ["language_model"],
+        min_length=1,
+        description=(
+            "Addition. Where quantize_base quantises the frozen Linear weights: language_model (the decoder "
+            "layers' projections), projector, vision_tower. Norms, embeddings and the lm_head never."
         ),
     )
     quantize_block_size: int = Field(

@@ -626,7 +626,7 @@ def plan_notes(shape: ModelShape, s: PlanSettings) -> list[str]:
     if shape.quant is not None:
         q = shape.quant
         notes.append(
-            f"QLoRA: {q.numel:,} decoder Linear weights in NF4 (blocks {q.block} x {q.scaler_block}, "
+            f"QLoRA: {q.numel:,} frozen Linear weights in NF4 (blocks {q.block} x {q.scaler_block}, "
             f"{q.nbytes(q.numel) / GIB:.2f} GiB in all), dequantised one Linear at a time; the rest of the "
             f"frozen base in {s.frozen_param_dtype or 'fp32'}"
         )
@@ -927,7 +927,7 @@ def plan_recipe(recipe, *, device: str, world_size: int, nproc_per_node: int, de
 
         # The weights the trainer quantises, checked against the FSDP group (the world) here, before any
         # rank starts; torchao itself is not needed for the plan.
-        targets = quantize_targets(model)
+        targets = quantize_targets(model, spec.quantize_apply_to)
         check_layout(
             [(n, tuple(m.weight.shape)) for n, m in targets],
             spec.quantize_block_size,

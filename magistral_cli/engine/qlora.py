@@ -10,10 +10,10 @@ input gradient, no weight gradient). PEFT's ``lora.Linear`` wraps the Linear as 
 ``fsdp_post_all_gather``, so ``fully_shard`` shards it on dim 0 and all-gathers the 4-bit data
 (torchtune does the same); no full bf16 copy of the base exists at any time.
 
-**What is quantised.** Every ``nn.Linear`` inside ``model.language_model.layers`` whose weight is
-frozen after :func:`engine.lora.apply_lora` (the adapted layers' ``base_layer`` and any projection
-left without adapters); the adapters, the norms, the embeddings, the lm_head, the projector and
-the vision tower stay in ``param_dtype``. A weight is quantisable only when its element count
+**What is quantised.** Every ``nn.Linear`` of the ``quantize_apply_to`` parts (default the language
+model: its decoder layers' projections) whose weight is frozen after :func:`engine.lora.apply_lora`
+(the adapted layers' ``base_layer`` and any projection left without adapters); the adapters, the
+norms, the embeddings, the lm_head and the other parts stay in ``param_dtype``. A weight is quantisable only when its element count
 divides by ``block x scaler_block x shards`` (the FSDP group size: each rank's shard must hold
 whole blocks of scales) and its rows by ``shards`` (no padding): :func:`layout_problem`. The rule
 is checked for every weight before anything is built, and a weight that breaks it is an error
@@ -42,9 +42,8 @@ from magistral_cli.errors import UserError
 
 log = logging.getLogger(__name__)
 
-#: The decoder layers, whose frozen Linear weights ``quantize_base`` quantises.
-QUANTIZE_SCOPE = "model.language_model.layers."
-#: torchao's NF4 module: its home since 0.13, and the older one (``torchao.dtypes.nf4tensor``).
+#: torchao's NF4 module: its home in 0.18 (the lowest supported), and the older path of earlier
+#: releases (``torchao.dtypes.nf4tensor``), tried second.
 NF4_MODULES = ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor")
 #: The NF4 tensor's parts (``NF4Tensor.__tensor_flatten__``): the first three are dim-0 chunks that
 #: FSDP2 shards and all-gathers; the scale mean and the 16-value code book are per tensor and every
@@ -104,14 +103,17 @@ def fitting_scaler_blocks(shapes: list[tuple[int, ...]], block: int, shards: int
     return [s for s in sizes if all(layout_problem(shape, block, s, shards) is None for shape in shapes)]
 
 
-def quantize_targets(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    """The decoder's Linear layers with a frozen weight (run after ``apply_lora``), in model order."""
+def quantize_targets(model: nn.Module, parts=("language_model",)) -> list[tuple[str, nn.Linear]]:
+    """The Linear layers with a frozen weight in the ``parts`` (``quantize_apply_to``; their modules are
+    ``config.schema.LORA_SCOPES``'), in model order; run after ``apply_lora`` (which froze the base).
+    The language model's only Linear layers are its decoder layers' projections (the lm_head is outside)."""
+    from magistral_cli.config.schema import LORA_SCOPES
+
+    scopes = tuple(LORA_SCOPES[part] + "." for part in parts)
     return [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear)
-        and name.startswith(QUANTIZE_SCOPE)
-        and not module.weight.requires_grad
+        if isinstance(module, nn.Linear) and name.startswith(scopes) and not module.weight.requires_grad
     ]
 
 
@@ -146,7 +148,7 @@ def check_layout(
             continue
         fits = fitting_scaler_blocks([s for _, s in targets], block, shards)
         fix = (
-            f"set model.lora.quantize_scaler_block_size to {fits[-1]} (it fits every decoder weight)"
+            f"set model.lora.quantize_scaler_block_size to {fits[-1]} (it fits every quantised weight)"
             if fits
             else "change the FSDP group size or quantize_block_size"
         )
@@ -157,18 +159,18 @@ def check_layout(
 
 
 def quantize_base_(model: nn.Module, spec, shards: int) -> QuantizedBase | None:
-    """Replace the frozen decoder Linear weights by NF4 tensors (in place, meta or real), before FSDP2.
+    """Replace the frozen Linear weights of the quantised parts by NF4 tensors (in place, meta or real), before FSDP2.
 
     ``spec`` is ``model.lora`` (None or ``quantize_base: none``: nothing done); ``shards`` the FSDP
     group size. On the meta device the NF4 tensors are meta too: the loader fills them.
     """
     if spec is None or spec.quantize_base == "none":
         return None
-    targets = quantize_targets(model)
+    targets = quantize_targets(model, spec.quantize_apply_to)
     if not targets:
         raise UserError(
-            "model.lora.quantize_base: nf4 found no frozen Linear layer in the decoder; "
-            "set model.lora.quantize_base: none"
+            f"model.lora.quantize_base: nf4 found no frozen Linear layer in {', '.join(spec.quantize_apply_to)} "
+            "(model.lora.quantize_apply_to); set model.lora.quantize_base: none"
         )
     block, scaler_block = spec.quantize_block_size, spec.quantize_scaler_block_size
     check_layout([(n, tuple(m.weight.shape)) for n, m in targets], block, scaler_block, shards)
@@ -183,7 +185,7 @@ def quantize_base_(model: nn.Module, spec, shards: int) -> QuantizedBase | None:
             )
     done = QuantizedBase([n for n, _ in targets], numel, block, scaler_block)
     log.info(
-        "QLoRA: %d decoder Linear weights in NF4 (%d parameters, %.2f GiB; blocks %d x %d)",
+        "QLoRA: %d frozen Linear weights in NF4 (%d parameters, %.2f GiB; blocks %d x %d)",
         len(targets),
         numel,
         done.nbytes / (1 << 30),

@@ -217,3 +217,34 @@ def test_qlora_on_two_ranks_equals_lora_on_the_dequantised_base_and_resumes_exac
     for name, value in loaded.items():
         assert torch.equal(value.float(), torch.tensor(r_params[name]).to(value.dtype).float()), name
     assert not torch.equal(logits, base_logits)
+
+
+@pytest.mark.compat  # transformers' get_image_features
+def test_quantize_apply_to_reaches_the_vision_tower_and_projector_when_asked():
+    from magistral_cli.engine.lora import apply_lora
+    from magistral_cli.engine.model import build_model
+    from magistral_cli.engine.qlora import is_nf4, quantize_base_
+    from magistral_cli.testing.tiny_model import tiny_mistral3_config
+
+    spec = _qlora_spec(quantize_apply_to=["language_model", "projector", "vision_tower"])
+    torch.manual_seed(0)
+    model = build_model(tiny_mistral3_config(vocab_size=VOCAB), meta=False, attn_implementation="sdpa")
+    apply_lora(model, spec)
+    reference = build_model(tiny_mistral3_config(vocab_size=VOCAB), meta=False, attn_implementation="sdpa")
+    apply_lora(reference, spec)
+    done = quantize_base_(model, spec, shards=1)
+    parts = {name.split(".")[1] for name in done.modules}
+    assert parts == {"language_model", "multi_modal_projector", "vision_tower"}
+    assert not is_nf4(model.lm_head.weight) and not is_nf4(model.model.language_model.embed_tokens.weight)
+    reference.load_state_dict(
+        {k: (v.get_original_weight() if is_nf4(v) else v) for k, v in model.state_dict().items()}
+    )
+    patch = model.config.vision_config.patch_size
+    pixels = torch.randn(1, 3, 4 * patch, 6 * patch, generator=torch.Generator().manual_seed(5))
+    sizes = torch.tensor([[4 * patch, 6 * patch]])
+    with torch.no_grad():
+        got = model.model.get_image_features(pixel_values=pixels, image_sizes=sizes)
+        want = reference.model.get_image_features(pixel_values=pixels, image_sizes=sizes)
+    got = torch.cat(list(getattr(got, "pooler_output", got)))
+    want = torch.cat(list(getattr(want, "pooler_output", want)))
+    assert got.shape == want.shape and ((got - want).abs().max() / want.abs().max()).item() <= 1e-6
