@@ -11,9 +11,9 @@ test keeps the two equal):
 
 No upper bound: newer releases are what CI's main leg installs.
 
-Optional: torchao >= 0.18 for QLoRA (``model.lora.quantize_base: nf4``; the ``qlora`` extra), the
-version its tests run on. Its NF4 tensor lives in ``torchao.quantization.quantize_.workflows.nf4``
-there (``torchao.dtypes.nf4tensor`` before the move; ``engine.qlora`` tries both). Once installed,
+Optional: torchao >= 0.17 for QLoRA (``model.lora.quantize_base: nf4``; the ``qlora`` extra): the QLoRA
+tests pass on 0.17 and 0.18. Its NF4 tensor is ``torchao.dtypes.nf4tensor`` in 0.17 and
+``torchao.quantization.quantize_.workflows.nf4.nf4_tensor`` from 0.18 (``engine.qlora`` tries both). Once installed,
 torchao is imported by peft as well, on every LoRA run: :func:`quiet_third_party_logs` keeps its
 import-time log lines out of the user's output.
 """
@@ -41,7 +41,7 @@ MINIMUM_VERSIONS: dict[str, str] = {
 
 #: Optional distribution -> (the lowest supported version, the feature that needs it, the install line).
 OPTIONAL_VERSIONS: dict[str, tuple[str, str, str]] = {
-    "torchao": ("0.18", "model.lora.quantize_base: nf4", "pip install 'magistral-cli[qlora]'"),
+    "torchao": ("0.17", "model.lora.quantize_base: nf4", "pip install 'magistral-cli[qlora]'"),
 }
 
 #: Loggers whose import-time lines are noise here: torchao's "Failed to load <compiled extension>"

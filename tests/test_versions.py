@@ -42,8 +42,8 @@ def test_optional_packages_are_declared_with_their_bound_and_named_when_missing_
     assert optional_problem("torchao", {"torchao": None}) == (
         "model.lora.quantize_base: nf4 needs torchao, which is not installed; run pip install 'magistral-cli[qlora]'"
     )
-    assert "needs torchao>=0.18 and 0.17.0 is installed" in optional_problem("torchao", {"torchao": "0.17.0"})
-    assert optional_problem("torchao", {"torchao": "0.18.0"}) is None
+    assert "needs torchao>=0.17 and 0.16.0 is installed" in optional_problem("torchao", {"torchao": "0.16.0"})
+    assert optional_problem("torchao", {"torchao": "0.17.0"}) is None
 
 
 @pytest.mark.parametrize(

@@ -621,7 +621,8 @@ def plan_notes(shape: ModelShape, s: PlanSettings) -> list[str]:
         notes.append(
             f"LoRA r={lo.r} on {lo.targets} Linear layers: {lo.adapter_numel:,} adapter parameters trained "
             f"(fp32 masters, gradients, AdamW states); the {shape.frozen:,} frozen parameters are held in "
-            f"{s.frozen_param_dtype or 'fp32'} with no master copy, gradient or optimizer state"
+            f"{s.frozen_param_dtype or 'fp32'}{' or NF4' if shape.quant is not None else ''} with no master copy, "
+            "gradient or optimizer state"
         )
     if shape.quant is not None:
         q = shape.quant

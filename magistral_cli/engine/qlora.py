@@ -42,8 +42,7 @@ from magistral_cli.errors import UserError
 
 log = logging.getLogger(__name__)
 
-#: torchao's NF4 module: its home in 0.18 (the lowest supported), and the older path of earlier
-#: releases (``torchao.dtypes.nf4tensor``), tried second.
+#: torchao's NF4 module: its home from 0.18, then its path in 0.17 (the lowest supported; both tested).
 NF4_MODULES = ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor")
 #: The NF4 tensor's parts (``NF4Tensor.__tensor_flatten__``): the first three are dim-0 chunks that
 #: FSDP2 shards and all-gathers; the scale mean and the 16-value code book are per tensor and every

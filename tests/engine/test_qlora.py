@@ -16,9 +16,10 @@ import torch
 from .helpers import VOCAB, recipe_dict, write_tiny_model
 
 # Not importorskip: importing torchao outside engine.qlora would print its load warnings here.
-pytestmark = pytest.mark.skipif(
-    __import__("importlib.util").util.find_spec("torchao") is None, reason="no torchao"
-)
+pytestmark = [
+    pytest.mark.compat,  # PEFT's layers and transformers' modules around NF4 weights, as test_lora_fsdp.py
+    pytest.mark.skipif(__import__("importlib.util").util.find_spec("torchao") is None, reason="no torchao"),
+]
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 #: The tiny model's k/v projections hold 32 blocks of 64: 2 ranks x 16 scales per scaler block.
@@ -219,7 +220,6 @@ def test_qlora_on_two_ranks_equals_lora_on_the_dequantised_base_and_resumes_exac
     assert not torch.equal(logits, base_logits)
 
 
-@pytest.mark.compat  # transformers' get_image_features
 def test_quantize_apply_to_reaches_the_vision_tower_and_projector_when_asked():
     from magistral_cli.engine.lora import apply_lora
     from magistral_cli.engine.model import build_model
