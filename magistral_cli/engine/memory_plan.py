@@ -127,11 +127,13 @@ class UnitShape:
     #: Of ``padded_numel``, the NF4 elements (QLoRA): gathered 4-bit, not in ``p``.
     quantized_numel: int = 0
 
-    def gathered_bytes(self, p: int, quant: QuantShape | None) -> int:
-        """The all-gather output: ``p`` bytes an element, NF4's for the quantised ones."""
+    def gathered_bytes(self, p: int, quant: QuantShape | None, world: int = 2) -> int:
+        """The all-gather output: ``p`` bytes an element, NF4's for the quantised ones (none on one
+        rank, where FSDP2 leaves the NF4 weights alone: ``parallelize.nf4_left_unsharded``)."""
         if quant is None or not self.quantized_numel:
             return p * self.padded_numel
-        return p * (self.padded_numel - self.quantized_numel) + quant.nbytes(self.quantized_numel)
+        nf4 = quant.nbytes(self.quantized_numel) if world > 1 else 0
+        return p * (self.padded_numel - self.quantized_numel) + nf4
 
 
 @dataclass(frozen=True)
@@ -473,9 +475,9 @@ def optimizer_items(shape: ModelShape, s: PlanSettings) -> list[MemoryItem]:
 def all_gather_buffers(shape: ModelShape, s: PlanSettings) -> MemoryItem:
     """The largest unit unsharded in ``p``, once computing and once per unit gathered ahead."""
     p, quant = s.p, shape.quant
-    largest = max(shape.units, key=lambda u: u.gathered_bytes(p, quant))
+    largest = max(shape.units, key=lambda u: u.gathered_bytes(p, quant, s.world_size))
     ahead = max(1, s.num_to_backward_prefetch)
-    gathered = largest.gathered_bytes(p, quant)
+    gathered = largest.gathered_bytes(p, quant, s.world_size)
     nf4 = (
         f", {largest.quantized_numel:,} of them NF4" if quant is not None and largest.quantized_numel else ""
     )

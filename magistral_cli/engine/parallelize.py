@@ -125,6 +125,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: FSDPPlan) -> list[tuple
     units = select_modules(model, plan.apply_modules, what="parallel.fsdp_plan.apply_modules pattern")
     units = tied_units(model, units)
     kwargs = {"mesh": mesh, "mp_policy": policy}
+    ignored = nf4_left_unsharded(model, mesh.size())
+    if ignored:
+        kwargs["ignored_params"] = ignored
     for _, module in units:
         fully_shard(module, reshard_after_forward=plan.reshard_after_forward, **kwargs)
     # The root last: it owns what no unit took, lazy init and the backward's final callback.
@@ -133,6 +136,20 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: FSDPPlan) -> list[tuple
     # first, so freeing them would only buy an immediate second all-gather.
     fully_shard(model, reshard_after_forward=None if plan.reshard_after_forward else False, **kwargs)
     return units
+
+
+def nf4_left_unsharded(model: nn.Module, group_size: int) -> set[nn.Parameter]:
+    """QLoRA's NF4 weights when the FSDP group is one rank: FSDP2 leaves them alone (``ignored_params``).
+
+    With one rank there is nothing to shard or gather, and FSDP2's one-rank shortcut (torch 2.13's
+    ``FSDPParamGroup.wait_for_unshard``) takes only the first of a tensor subclass's all-gather
+    inputs, where ``NF4Tensor`` has three: the weights stay plain NF4 parameters on the module.
+    """
+    from .qlora import is_nf4
+
+    if group_size != 1:
+        return set()
+    return {p for p in model.parameters() if is_nf4(p)}
 
 
 TIED_UNIT = "model.language_model.embed_tokens+lm_head"

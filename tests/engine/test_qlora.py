@@ -164,21 +164,37 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((torch.tensor(a[k]) - torch.tensor(b[k])).abs().max().item() for k in a)
 
 
+def _write_models(tmp_path) -> None:
+    """The tiny model (``model``) and the same with its decoder weights NF4 round-tripped (``dequantised``)."""
+    from magistral_cli.engine.model import build_model
+    from magistral_cli.testing.tiny_model import save_official_checkpoint, tiny_mistral3_config
+
+    model = write_tiny_model(tmp_path / "model")
+    dequantised = build_model(tiny_mistral3_config(vocab_size=VOCAB), meta=False, attn_implementation="sdpa")
+    dequantised.load_state_dict(dequantised_state(model.state_dict()))
+    save_official_checkpoint(dequantised, tmp_path / "dequantised", num_shards=2, dtype="float32")
+
+
+@pytest.mark.slow
+def test_qlora_on_one_rank_equals_lora_on_the_dequantised_base(tmp_path):
+    """One rank: FSDP2 leaves the NF4 weights alone (its one-rank shortcut cannot gather them)."""
+    _write_models(tmp_path)
+    q_losses, q_params = _train(_recipe(tmp_path / "model", tmp_path / "q", qlora=True))
+    l_losses, l_params = _train(_recipe(tmp_path / "dequantised", tmp_path / "l", qlora=False))
+    assert q_losses == pytest.approx(l_losses, rel=1e-5)
+    assert _max_diff(q_params, l_params) < 1e-5
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings(
     "ignore:.*is_gradient_checkpointing"
 )  # PeftModel.from_pretrained on transformers 5.x
 def test_qlora_on_two_ranks_equals_lora_on_the_dequantised_base_and_resumes_exactly(tmp_path):
     from magistral_cli.checkpoint.hf_to_dcp import convert_hf_to_dcp
-    from magistral_cli.engine.model import build_model
     from magistral_cli.runtime import spawn_ranks
-    from magistral_cli.testing.tiny_model import save_official_checkpoint, tiny_mistral3_config
 
-    model = write_tiny_model(tmp_path / "model")
+    _write_models(tmp_path)
     convert_hf_to_dcp(tmp_path / "model", tmp_path / "dcp")
-    dequantised = build_model(tiny_mistral3_config(vocab_size=VOCAB), meta=False, attn_implementation="sdpa")
-    dequantised.load_state_dict(dequantised_state(model.state_dict()))
-    save_official_checkpoint(dequantised, tmp_path / "dequantised", num_shards=2, dtype="float32")
 
     results = spawn_ranks(_worker, 2, (str(tmp_path),), timeout_s=600)
     q_losses, q_params = results[0]["qlora"]
