@@ -18,8 +18,9 @@ divides by ``block x scaler_block x shards`` (the FSDP group size: each rank's s
 whole blocks of scales) and its rows by ``shards`` (no padding): :func:`layout_problem`. The rule
 is checked for every weight before anything is built, and a weight that breaks it is an error
 naming the sizes that would fit, never a silent bf16 fallback (that would change the model with
-the world size). Magistral-Small-2509's widths (5120, 4096, 1024, 32768) fit 64 x 256 on up to
-64 ranks; the tiny test model needs ``quantize_scaler_block_size: 16``.
+the world size). Magistral-Small-2509's widths (5120, 4096, 1024, 32768) fit 64 x 256 on any group
+size dividing 64 (its k/v projections hold 320 scale blocks); the tiny test model needs
+``quantize_scaler_block_size: 16``.
 
 **Loading** (:func:`load_nf4_`). The model is built on the meta device, quantised (meta
 ``NF4Tensor``), sharded and materialised; the loader then reads each quantised weight whole from

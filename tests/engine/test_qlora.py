@@ -2,7 +2,7 @@
 
 One process: the tiny model's decoder weights round-trip through NF4 within the code book's
 bound, and the quantised forward (and the adapters' gradients) equal those over explicitly
-dequantised fp32 weights. Two gloo ranks through the trainer (recompute on): QLoRA from the HF files
+dequantised fp32 weights. One and two gloo ranks through the trainer (recompute and chunked loss on): QLoRA from the HF files
 equals, step for step, plain LoRA whose base *is* the dequantised NF4 weights (written as an HF model:
 the same function); its loss falls; a resumed run whose base loads from a DCP checkpoint continues
 exactly; its adapters export as PEFT files that peft loads onto the original base in bf16.
@@ -128,6 +128,8 @@ def _recipe(model_dir, run_dir, qlora: bool, load=None, **training):
     raw["training"]["init_model_with_meta_device"] = True
     raw["features"]["recompute"] = True
     raw["features"]["recompute_plan"] = {"apply_modules": ["model.language_model.layers.{*}"]}
+    raw["features"]["enable_chunk_loss"] = True
+    raw["features"]["chunkloss_plan"] = {"apply_module": "lm_head", "chunk_size": 16}
     return validate_recipe(raw)
 
 
