@@ -76,6 +76,8 @@ top, in the loss and backward phases: the **dequantisation workspace** of the la
 weight ``n`` (torchao dequantises one Linear at a time, in the forward and again for the input
 gradient): its two int64 code indices (``8 x n / 2``, twice), the dequantised and scaled halves and
 their stacked result in ``p``: ``(8 + 3p) x n``. The QLoRA base holds no bf16 copy beyond that.
+Loading quantises one whole weight at a time on the device (``(2p + 1.5) x n`` and torchao's search
+scratch, before the first step): a note, not a phase.
 
 Host memory (per rank; the node holds ``nproc_per_node`` of them): the ``adamw_swap`` states.
 On the CPU the device *is* the host: the host total adds the device peak to the host items,
@@ -632,6 +634,13 @@ def plan_notes(shape: ModelShape, s: PlanSettings) -> list[str]:
             f"QLoRA: {q.numel:,} frozen Linear weights in NF4 (blocks {q.block} x {q.scaler_block}, "
             f"{q.nbytes(q.numel) / GIB:.2f} GiB in all), dequantised one Linear at a time; the rest of the "
             f"frozen base in {s.frozen_param_dtype or 'fp32'}"
+        )
+        # Loading (before the first step): the largest weight whole in p, its scaled copy, its 4-bit
+        # codes (a byte each, then packed) and torchao's nearest-code search over 1M-element chunks.
+        load = (2 * s.p + 1.5) * q.largest + 2 * 16 * s.p * (1 << 20)
+        notes.append(
+            f"QLoRA loading quantises one weight at a time on the device: about {load / GIB:.2f} GiB above "
+            "the parameter shards while it loads, before the first step (not a phase of the plan)"
         )
     if s.sequences_per_sample == 2:
         where = {
