@@ -1,25 +1,28 @@
-"""LoRA vs full fine-tuning through the trainer on 2 CPU processes: per-rank memory and step time.
+"""LoRA and QLoRA vs full fine-tuning through the trainer on 2 CPU processes: per-rank memory and step time.
 
 Side by side in one run, for the tiny model and a mid-size one (both Magistral's structure): each
 case starts 2 gloo ranks (``runtime.spawn_ranks``), builds the engine's ``Trainer`` from a recipe
 (fp32, the tiny recipe's FSDP2 units, synthetic batches) and trains ``--steps`` steps. Per rank:
 
 - **held tensors**: the bytes of this rank's parameter shards, gradient shards and AdamW states
-  after the last step (what the memory plan's first three items estimate);
-- **peak RSS above the start**: the process's peak resident memory (``ru_maxrss``) minus its
-  resident memory just before the trainer was built (imports and the process group excluded);
+  after the last step (what the memory plan's first three items estimate; an NF4 weight counts its
+  4-bit data, scales and quantisation factors);
+- **peak RSS of the build**: the peak resident memory while the trainer was built and the base
+  loaded (QLoRA: each weight read whole and quantised, one at a time), above the start;
+- **peak RSS above the start**: the process's peak resident memory (``VmHWM``, reset just before the
+  trainer is built) minus its resident memory at that point (imports and the process group excluded);
 - **step time**: the median of the steps after the first two.
 
-    python benchmarks/lora_vs_full.py [--steps 8] [--seq 256] [--r 8]
+    python benchmarks/lora_vs_full.py [--steps 8] [--seq 256] [--r 8] [--modes full lora qlora]
 
-The ratios (LoRA / full) are what the README quotes; nothing is asserted.
+QLoRA (``quantize_base: nf4``, blocks 64 x 256; needs torchao) dequantises into the fp32 compute
+dtype here. The ratios (LoRA / full, QLoRA / LoRA) are what the README quotes; nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import sys
 import tempfile
@@ -34,6 +37,8 @@ MODELS = {
     # name: tiny_mistral3_config keyword arguments
     "tiny": {"vocab_size": 8192, "hidden_size": 64, "num_hidden_layers": 2},
     "mid": {"vocab_size": 32768, "hidden_size": 512, "num_hidden_layers": 8},
+    # decoder-heavy (75M of 84M parameters in the decoder's projections): where QLoRA's NF4 base shows
+    "wide": {"vocab_size": 4096, "hidden_size": 1024, "num_hidden_layers": 8},
 }
 
 
@@ -45,10 +50,22 @@ def _rss_kib() -> int:
     return 0
 
 
+def _hwm_kib() -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return 0
+
+
 def _local_bytes(tensors) -> int:
     total = 0
     for t in tensors:
         local = t.to_local() if hasattr(t, "to_local") else t
+        if hasattr(local, "quantized_data"):  # NF4: what it stores, not its nominal dtype
+            parts = (local.quantized_data, local.quantized_scalers, local.quantization_factor)
+            total += sum(x.numel() * x.element_size() for x in parts)
+            continue
         total += local.numel() * local.element_size()
     return total
 
@@ -63,8 +80,10 @@ def _rank(rank: int, model_dir: str, run_dir: str, mode: str, steps: int, seq: i
         "model_name_or_path": model_dir,
         "freeze": ["model.vision_tower", "model.multi_modal_projector"],
     }
-    if mode == "lora":
+    if mode in ("lora", "qlora"):
         model_cfg["lora"] = {"r": r, "alpha": 2 * r, "target_modules": TARGETS}
+    if mode == "qlora":
+        model_cfg["lora"]["quantize_base"] = "nf4"
     recipe = validate_recipe(
         {
             "parallel": {"device": "cpu", "fsdp_plan": {"param_dtype": "fp32", "reduce_dtype": "fp32"}},
@@ -84,7 +103,10 @@ def _rank(rank: int, model_dir: str, run_dir: str, mode: str, steps: int, seq: i
         }
     )
     start_rss = _rss_kib()
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")  # the high-water mark restarts here
     trainer = Trainer(recipe)
+    build_peak = _hwm_kib() - start_rss
     try:
         times = []
         for _ in range(steps):
@@ -96,10 +118,11 @@ def _rank(rank: int, model_dir: str, run_dir: str, mode: str, steps: int, seq: i
         states = [v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         return {
             "params_mib": _local_bytes(params) / 2**20,
+            "peak_build_mib": build_peak / 1024,
             "grads_mib": grads_bytes / 2**20,
             "optimizer_mib": _local_bytes(s for s in states if s.dim() > 0) / 2**20,
-            "peak_rss_above_start_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start_rss)
-            / 1024,
+            # VmHWM since the reset before the build (ru_maxrss can keep an earlier high-water mark).
+            "peak_rss_above_start_mib": (_hwm_kib() - start_rss) / 1024,
             "step_s": statistics.median(times[2:]) if len(times) > 2 else times[-1],
             "trainable": sum(p.numel() for p in params if p.requires_grad),
         }
@@ -112,7 +135,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--r", type=int, default=8)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=["tiny", "mid"], choices=list(MODELS))
+    parser.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora", "qlora"])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -131,7 +155,7 @@ def main() -> None:
             total = sum(p.numel() for p in model.parameters())
             save_official_checkpoint(model, model_dir, num_shards=2, dtype="float32")
             del model
-            for mode in ("full", "lora"):
+            for mode in args.modes:
                 ranks = spawn_ranks(
                     _rank,
                     2,
@@ -143,7 +167,10 @@ def main() -> None:
         print(json.dumps(rows, indent=2))
         return
     print(f"2 CPU ranks, fp32, sequence {args.seq}, LoRA r={args.r} on {len(TARGETS)} projections per layer")
-    header = "model  mode  trainable     params+grads+AdamW MiB/rank  peak RSS above start MiB/rank  step s"
+    header = (
+        "model  mode   trainable     params+grads+AdamW MiB/rank  build peak MiB/rank"
+        "  peak RSS above start MiB/rank  step s"
+    )
     print(header)
     by = {}
     for row in rows:
@@ -151,16 +178,20 @@ def main() -> None:
         held = max(x["params_mib"] + x["grads_mib"] + x["optimizer_mib"] for x in ranks)
         rss = max(x["peak_rss_above_start_mib"] for x in ranks)
         step = max(x["step_s"] for x in ranks)
+        build = max(x["peak_build_mib"] for x in ranks)
         by[(row["model"], row["mode"])] = (held, rss, step)
         print(
-            f"{row['model']:<5}  {row['mode']:<4}  {ranks[0]['trainable']:>11,}  {held:>27.1f}  {rss:>29.1f}  {step:>6.3f}"
+            f"{row['model']:<5}  {row['mode']:<5}  {ranks[0]['trainable']:>11,}  {held:>27.1f}  {build:>19.1f}"
+            f"  {rss:>29.1f}  {step:>6.3f}"
         )
     for name in args.models:
-        (fh, fr, fs), (lh, lr, ls) = by[(name, "full")], by[(name, "lora")]
-        print(
-            f"{name}: LoRA / full = {lh / fh:.2f}x held tensors, {lr / fr:.2f}x peak RSS above start, "
-            f"{ls / fs:.2f}x step time"
-        )
+        for new, old in (("lora", "full"), ("qlora", "lora")):
+            if (name, new) in by and (name, old) in by:
+                (oh, o_rss, os_), (nh, n_rss, ns) = by[(name, old)], by[(name, new)]
+                print(
+                    f"{name}: {new} / {old} = {nh / oh:.2f}x held tensors, {n_rss / o_rss:.2f}x peak RSS above "
+                    f"start, {ns / os_:.2f}x step time"
+                )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,12 @@ test keeps the two equal):
   2.11.0+cu130); CI runs torch 2.13 on the CPU.
 
 No upper bound: newer releases are what CI's main leg installs.
+
+Optional: torchao >= 0.17 for QLoRA (``model.lora.quantize_base: nf4``; the ``qlora`` extra): the QLoRA
+tests pass on 0.17 and 0.18. Its NF4 tensor is ``torchao.dtypes.nf4tensor`` in 0.17 and
+``torchao.quantization.quantize_.workflows.nf4.nf4_tensor`` from 0.18 (``engine.qlora`` tries both). Once installed,
+torchao is imported by peft as well, on every LoRA run: :func:`quiet_third_party_logs` keeps its
+import-time log lines out of the user's output.
 """
 
 from __future__ import annotations
@@ -31,6 +37,37 @@ MINIMUM_VERSIONS: dict[str, str] = {
     "transformers": "5.17.0",
     "torch": "2.11",
 }
+
+
+#: Optional distribution -> (the lowest supported version, the feature that needs it, the install line).
+OPTIONAL_VERSIONS: dict[str, tuple[str, str, str]] = {
+    "torchao": ("0.17", "model.lora.quantize_base: nf4", "pip install 'magistral-cli[qlora]'"),
+}
+
+#: Loggers whose import-time lines are noise here: torchao's "Failed to load <compiled extension>"
+#: for every kernel the machine cannot load (CUDA kernels on a CPU host), and torch's pytree
+#: deprecation warning when torchao registers its enums.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_third_party_logs() -> None:
+    """Only errors from :data:`QUIET_LOGGERS` (imports nothing; call before torchao or peft is imported)."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def optional_problem(distribution: str, installed: dict[str, str | None] | None = None) -> str | None:
+    """Why ``distribution`` (a key of :data:`OPTIONAL_VERSIONS`) cannot serve its feature, or None.
+
+    ``installed`` maps distribution -> version (default: what this environment has).
+    """
+    minimum, feature, install = OPTIONAL_VERSIONS[distribution]
+    version = installed_version(distribution) if installed is None else installed.get(distribution)
+    if version is None:
+        return f"{feature} needs {distribution}, which is not installed; run {install}"
+    if is_older(version, minimum):
+        return f"{feature} needs {distribution}>={minimum} and {version} is installed; run {install}"
+    return None
 
 
 def _release(version: str) -> tuple[int, ...]:

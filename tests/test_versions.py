@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from magistral_cli.errors import UserError
-from magistral_cli.versions import MINIMUM_VERSIONS, check_supported_versions, installed_version, is_older
+from magistral_cli.versions import (
+    MINIMUM_VERSIONS,
+    OPTIONAL_VERSIONS,
+    check_supported_versions,
+    installed_version,
+    is_older,
+    optional_problem,
+)
 
 pytestmark = pytest.mark.compat
 
@@ -23,6 +30,20 @@ def test_pyproject_declares_the_same_lower_bounds():
     for name, minimum in MINIMUM_VERSIONS.items():
         declared = re.findall(rf'"{name}>=([^",]+)"', text)
         assert declared == [minimum], f"pyproject.toml declares {name}>={declared}, versions.py {minimum}"
+
+
+def test_optional_packages_are_declared_with_their_bound_and_named_when_missing_or_old():
+    text = (REPO / "pyproject.toml").read_text()
+    for name, (minimum, _, install) in OPTIONAL_VERSIONS.items():
+        # The feature's extra (named in the install line) and the test extra, with the same bound.
+        assert re.findall(rf'"{name}>=([^",]+)"', text) == [minimum, minimum], name
+        extra = re.search(r"\[(\w+)\]", install).group(1)
+        assert re.search(rf'^{extra} = \["{name}>={re.escape(minimum)}"\]', text, re.M), extra
+    assert optional_problem("torchao", {"torchao": None}) == (
+        "model.lora.quantize_base: nf4 needs torchao, which is not installed; run pip install 'magistral-cli[qlora]'"
+    )
+    assert "needs torchao>=0.17 and 0.16.0 is installed" in optional_problem("torchao", {"torchao": "0.16.0"})
+    assert optional_problem("torchao", {"torchao": "0.17.0"}) is None
 
 
 @pytest.mark.parametrize(

@@ -670,6 +670,51 @@ class LoraConfig(Section):
         ),
     )
 
+    quantize_base: Literal["none", "nf4"] = Field(
+        "none",
+        description=(
+            "Addition. QLoRA: 'nf4' stores the frozen Linear weights of the decoder layers in 4-bit NormalFloat "
+            "(torchao's NF4Tensor: per-block absmax scales, double-quantised as in the QLoRA paper), quantised "
+            "per parameter as they load and dequantised per Linear in the forward and backward; norms, "
+            "embeddings, the lm_head and (unless quantize_apply_to names them) the projector and the vision "
+            "tower stay in param_dtype. Needs "
+            "`pip install 'magistral-cli[qlora]'`. 'none': the base in param_dtype (plain LoRA)."
+        ),
+    )
+    quantize_apply_to: list[Literal["language_model", "projector", "vision_tower"]] = Field(
+        default_factory=lambda: ["language_model"],
+        min_length=1,
+        description=(
+            "Addition. Where quantize_base quantises the frozen Linear weights: language_model (the decoder "
+            "layers' projections), projector, vision_tower. Norms, embeddings and the lm_head never."
+        ),
+    )
+    quantize_block_size: int = Field(
+        64,
+        ge=2,
+        description=(
+            "Addition. NF4 block: elements sharing one absmax scale (the QLoRA paper's 64). A quantised weight's "
+            "element count must divide by quantize_block_size x quantize_scaler_block_size x the FSDP group size."
+        ),
+    )
+    quantize_scaler_block_size: int = Field(
+        256,
+        ge=1,
+        description=(
+            "Addition. NF4 double quantisation: block scales sharing one 8-bit quantisation factor (the QLoRA "
+            "paper's 256); smaller only for models too narrow for 64 x 256 (the tiny test model)."
+        ),
+    )
+
+    @field_validator("quantize_block_size")
+    @classmethod
+    def _even_block(cls, value: int):
+        if value % 2:
+            raise ValueError(
+                f"{value} is odd; NF4 packs two 4-bit values a byte: use an even size such as 64"
+            )
+        return value
+
     @field_validator("target_modules", "modules_to_save")
     @classmethod
     def _names(cls, value: list[str], info: ValidationInfo):
@@ -1213,6 +1258,28 @@ class Recipe(Section):
                 f"(ulysses_parallel_size x ring_attention_size = {self.parallel.cp_size}): the Ulysses and Ring "
                 "attention are causal over the whole sequence and would let packed samples see each other; "
                 "set both CP sizes to 1, or use packing: true (causal across samples) with neat_packing: false"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _quantized_base_rules(self):
+        lora = self.model.lora
+        if lora is None or lora.quantize_base == "none":
+            return self
+        if not self.training.load:
+            raise ValueError(
+                "model.lora.quantize_base: nf4 quantises the base weights as they load, and training.load is "
+                "unset; point training.load at the base model (a model directory or a DCP checkpoint)"
+            )
+        if self.model.compile:
+            raise ValueError(
+                "model.compile with model.lora.quantize_base: nf4 is not supported (torchao's NF4 weights "
+                "dequantise outside the compiled graph); set model.compile: false"
+            )
+        if self.features.contiguous_linear_grad_modules:
+            raise ValueError(
+                "features.contiguous_linear_grad_modules with model.lora.quantize_base: nf4: the kernel multiplies "
+                "the weight itself and cannot read a 4-bit one; set features.contiguous_linear_grad_modules: []"
             )
         return self
 

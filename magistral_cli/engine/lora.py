@@ -219,6 +219,8 @@ class LoraApplied:
             "init_lora_weights": self.spec.init_lora_weights,
             "target_modules": list(self.targets.modules),
             "modules_to_save": list(self.targets.modules_to_save),
+            # QLoRA trained against the NF4 base; the adapters still apply to (and merge into) the bf16 one.
+            "quantize_base": self.spec.quantize_base,
             "base_model_name_or_path": base_model_name_or_path,
         }
 

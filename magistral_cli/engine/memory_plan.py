@@ -50,7 +50,7 @@ Transient, on the device, in three phases (the peak is the largest phase):
   ``N x V`` logits in ``p``, upcast to fp32, log-softmax's fp32 output is saved; in the backward
   the log-softmax output, its incoming gradient and the logits' gradient are fp32 at once:
   ``12 N V``. Chunked (``ops.chunked_loss``): the two gradients computed in the forward
-  (``N H p`` and ``V H p``) plus one chunk's fp32 logits and their ``p`` gradient
+  (``N H p`` and ``V H p``; none for a frozen head, as in LoRA) plus one chunk's fp32 logits and their ``p`` gradient
   (``c V (4 + p)``), or in the backward the two gradients twice (scaled copies).
 - **gradient accumulation** (``gradient_accumulation_steps > 1``): the gradient shards of the
   earlier micro-batches are alive during the later ones. With ``defer_grad_sync`` FSDP2 keeps
@@ -67,6 +67,17 @@ per token and decoder layer, ``lora_B`` saves ``lora_A``'s output (``p x sum r``
 ``dropout > 0``, each adapter saves its dropped-out input and mask (``(p + 1) x sum in``). The
 base layers' own saves are kept in the count (``lora_A`` saves the same inputs when all seven
 projections are adapted), so fewer targets give an upper bound.
+
+QLoRA (``quantize_base: nf4``, ``engine.qlora``): the frozen Linear weights of the decoder are
+NF4 (``Q`` elements, block ``b``, scaler block ``s``: ``Q / 2 + Q / b + 4 Q / (b s)`` bytes:
+4 bits a value, an int8 scale a block, a quantisation factor a block of scales), in the parameter
+shards and in the all-gather buffers (each unit gathers its NF4 weights 4-bit). One item comes on
+top, in the loss and backward phases: the **dequantisation workspace** of the largest quantised
+weight ``n`` (torchao dequantises one Linear at a time, in the forward and again for the input
+gradient): its two int64 code indices (``8 x n / 2``, twice), the dequantised and scaled halves and
+their stacked result in ``p``: ``(8 + 3p) x n``. The QLoRA base holds no bf16 copy beyond that.
+Loading quantises one whole weight at a time on the device (``(2p + 1.5) x n`` and torchao's search
+scratch, before the first step): a note, not a phase.
 
 Host memory (per rank; the node holds ``nproc_per_node`` of them): the ``adamw_swap`` states.
 On the CPU the device *is* the host: the host total adds the device peak to the host items,
@@ -115,6 +126,16 @@ class UnitShape:
     trainable_numel: int
     padded_numel: int  # sum of ceil(dim0 / W) x W x rest: the all-gather output
     trainable_padded_numel: int
+    #: Of ``padded_numel``, the NF4 elements (QLoRA): gathered 4-bit, not in ``p``.
+    quantized_numel: int = 0
+
+    def gathered_bytes(self, p: int, quant: QuantShape | None, world: int = 2) -> int:
+        """The all-gather output: ``p`` bytes an element, NF4's for the quantised ones (none on one
+        rank, where FSDP2 leaves the NF4 weights alone: ``parallelize.nf4_left_unsharded``)."""
+        if quant is None or not self.quantized_numel:
+            return p * self.padded_numel
+        nf4 = quant.nbytes(self.quantized_numel) if world > 1 else 0
+        return p * (self.padded_numel - self.quantized_numel) + nf4
 
 
 @dataclass(frozen=True)
@@ -145,6 +166,22 @@ class LoraShape:
 
 
 @dataclass(frozen=True)
+class QuantShape:
+    """QLoRA's NF4 weights (``engine.qlora``): how many, on the largest rank, the largest one."""
+
+    numel: int
+    shard_numel: int
+    largest: int
+    block: int = 64
+    scaler_block: int = 256
+
+    def nbytes(self, numel: int) -> int:
+        from .qlora import nf4_bytes
+
+        return nf4_bytes(numel, self.block, self.scaler_block)
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """Everything the estimator needs from the model: plain numbers, no tensors."""
 
@@ -159,6 +196,9 @@ class ModelShape:
     text: TextShape
     vision_trainable: bool
     lora: LoraShape | None = None
+    quant: QuantShape | None = None
+    #: Whether the output head's weight trains (its gradient is part of the chunked loss's forward).
+    head_trainable: bool = True
 
 
 @dataclass(frozen=True)
@@ -296,15 +336,19 @@ def layer_backward_temp_bytes_per_token(text: TextShape, p: int) -> int:
     return 3 * p * text.intermediate + 2 * p * text.hidden
 
 
-def loss_head_bytes(tokens: int, text: TextShape, p: int, chunk_size: int | None) -> tuple[int, str]:
-    """(peak bytes of the loss head, formula) for ``tokens`` predicted tokens."""
+def loss_head_bytes(
+    tokens: int, text: TextShape, p: int, chunk_size: int | None, head_trainable: bool = True
+) -> tuple[int, str]:
+    """(peak bytes of the loss head, formula) for ``tokens`` predicted tokens; a frozen head (LoRA
+    without ``modules_to_save: [lm_head]``) gets no weight gradient (``ops.chunked_loss`` skips it)."""
     v, h = text.vocab, text.hidden
     if chunk_size is None or tokens <= chunk_size:
         return 12 * tokens * v, f"plain: 12 B x {tokens:,} tokens x {v:,} vocab"
-    grads = p * (tokens * h + v * h)
+    grads = p * (tokens * h + (v * h if head_trainable else 0))
     forward = grads + chunk_size * v * (4 + p)
     backward = 2 * grads
-    return max(forward, backward), f"chunks of {chunk_size}: grads of hidden and head + one chunk"
+    what = "grads of hidden and head" if head_trainable else "grad of hidden (frozen head)"
+    return max(forward, backward), f"chunks of {chunk_size}: {what} + one chunk"
 
 
 def swap_chunk_bytes(trainable_shards: tuple[int, ...], chunk_bytes: int = SWAP_CHUNK_BYTES) -> int:
@@ -340,6 +384,17 @@ def parameter_shards(shape: ModelShape, s: PlanSettings) -> MemoryItem:
             f"4 B x {shape.shard_numel:,} (frozen too)",
         )
     frozen_shard = shape.shard_numel - shape.trainable_shard_numel
+    quant = shape.quant
+    if quant is not None:
+        frozen_shard -= quant.shard_numel
+        return _item(
+            "parameter_shards",
+            f"parameter shards (fp32 trainable, {s.frozen_param_dtype} frozen, NF4 base)",
+            4 * shape.trainable_shard_numel + fb * frozen_shard + quant.nbytes(quant.shard_numel),
+            PHASES,
+            f"4 B x {shape.trainable_shard_numel:,} trainable + {fb} B x {frozen_shard:,} frozen"
+            f" + NF4 {quant.shard_numel:,} ({quant.nbytes(quant.shard_numel) / quant.shard_numel:.3f} B each)",
+        )
     return _item(
         "parameter_shards",
         f"parameter shards (fp32 trainable, {s.frozen_param_dtype} frozen)",
@@ -356,6 +411,8 @@ def reference_shards(shape: ModelShape, s: PlanSettings) -> list[MemoryItem]:
     if s.reference != "model":
         return []
     numel = shape.shard_numel - (shape.trainable_shard_numel if shape.lora is not None else 0)
+    if shape.quant is not None:  # never built beside a QLoRA policy; counted as the plain base if it were
+        numel = shape.shard_numel
     return [
         _item(
             "reference_shards",
@@ -419,16 +476,37 @@ def optimizer_items(shape: ModelShape, s: PlanSettings) -> list[MemoryItem]:
 
 def all_gather_buffers(shape: ModelShape, s: PlanSettings) -> MemoryItem:
     """The largest unit unsharded in ``p``, once computing and once per unit gathered ahead."""
-    p = s.p
-    largest = max(shape.units, key=lambda u: u.padded_numel)
+    p, quant = s.p, shape.quant
+    largest = max(shape.units, key=lambda u: u.gathered_bytes(p, quant, s.world_size))
     ahead = max(1, s.num_to_backward_prefetch)
+    gathered = largest.gathered_bytes(p, quant, s.world_size)
+    nf4 = (
+        f", {largest.quantized_numel:,} of them NF4" if quant is not None and largest.quantized_numel else ""
+    )
     return _item(
         "all_gather",
-        f"all-gather buffers ({p}-byte params)",
-        (1 + ahead) * largest.padded_numel * p,
+        f"all-gather buffers ({p}-byte params{', NF4 base' if quant is not None else ''})",
+        (1 + ahead) * gathered,
         ("loss", "backward"),
-        f"(1 + {ahead} ahead) x {p} B x {largest.padded_numel:,} ({_short(largest.name)})",
+        f"(1 + {ahead} ahead) x {gathered:,} B ({largest.padded_numel:,} elements{nf4}; {_short(largest.name)})",
     )
+
+
+def dequant_workspace(shape: ModelShape, s: PlanSettings) -> list[MemoryItem]:
+    """QLoRA: torchao's dequantisation of the largest NF4 weight, one Linear at a time (module doc)."""
+    quant = shape.quant
+    if quant is None:
+        return []
+    per = 8 + 3 * s.p
+    return [
+        _item(
+            "dequant_workspace",
+            "NF4 dequantisation workspace (one Linear)",
+            per * quant.largest,
+            ("loss", "backward"),
+            f"(8 + 3 x {s.p}) B x {quant.largest:,} (the largest NF4 weight)",
+        )
+    ]
 
 
 def unit_gradients(shape: ModelShape, s: PlanSettings) -> MemoryItem:
@@ -477,7 +555,7 @@ def activation_items(shape: ModelShape, s: PlanSettings) -> list[MemoryItem]:
 def loss_logits(shape: ModelShape, s: PlanSettings) -> MemoryItem:
     """The loss head's logits and their gradients over the ``N`` predicted tokens (plain or chunked)."""
     _, predicted = micro_batch_tokens(s)
-    head, head_formula = loss_head_bytes(predicted, shape.text, s.p, s.chunk_size)
+    head, head_formula = loss_head_bytes(predicted, shape.text, s.p, s.chunk_size, shape.head_trainable)
     return _item(
         "loss_logits",
         "loss head logits" + (" (chunked)" if s.chunk_size else ""),
@@ -547,7 +625,22 @@ def plan_notes(shape: ModelShape, s: PlanSettings) -> list[str]:
         notes.append(
             f"LoRA r={lo.r} on {lo.targets} Linear layers: {lo.adapter_numel:,} adapter parameters trained "
             f"(fp32 masters, gradients, AdamW states); the {shape.frozen:,} frozen parameters are held in "
-            f"{s.frozen_param_dtype or 'fp32'} with no master copy, gradient or optimizer state"
+            f"{s.frozen_param_dtype or 'fp32'}{' or NF4' if shape.quant is not None else ''} with no master copy, "
+            "gradient or optimizer state"
+        )
+    if shape.quant is not None:
+        q = shape.quant
+        notes.append(
+            f"QLoRA: {q.numel:,} frozen Linear weights in NF4 (blocks {q.block} x {q.scaler_block}, "
+            f"{q.nbytes(q.numel) / GIB:.2f} GiB in all), dequantised one Linear at a time; the rest of the "
+            f"frozen base in {s.frozen_param_dtype or 'fp32'}"
+        )
+        # Loading (before the first step): the largest weight whole in p, its scaled copy, its 4-bit
+        # codes (a byte each, then packed) and torchao's nearest-code search over 1M-element chunks.
+        load = (2 * s.p + 1.5) * q.largest + 2 * 16 * s.p * (1 << 20)
+        notes.append(
+            f"QLoRA loading quantises one weight at a time on the device: about {load / GIB:.2f} GiB above "
+            "the parameter shards while it loads, before the first step (not a phase of the plan)"
         )
     if s.sequences_per_sample == 2:
         where = {
@@ -587,6 +680,8 @@ def plan_parameters(shape: ModelShape) -> dict[str, int]:
         # A LoRA checkpoint holds the trainable tensors only (engine.lora.adapter_state_dict).
         parameters["adapters"] = shape.lora.adapter_numel
         parameters["checkpointed"] = shape.trainable
+    if shape.quant is not None:
+        parameters["quantized"] = shape.quant.numel
     return parameters
 
 
@@ -599,6 +694,7 @@ def estimate(shape: ModelShape, s: PlanSettings) -> MemoryPlan:
         gradient_shards(shape, s),
         *optimizer_items(shape, s),
         all_gather_buffers(shape, s),
+        *dequant_workspace(shape, s),
         unit_gradients(shape, s),
         *activation_items(shape, s),
         loss_logits(shape, s),
@@ -656,22 +752,36 @@ _LAYER = re.compile(r"^(.*\.layers)\.(\d+)$")
 
 
 def model_shape(
-    model, *, frozen: list[str], units: list[str], recomputed: list[str], world: int, lora=None
+    model,
+    *,
+    frozen: list[str],
+    units: list[str],
+    recomputed: list[str],
+    world: int,
+    lora=None,
+    quantized: tuple[set[str], int, int] | None = None,
 ) -> ModelShape:
     """The :class:`ModelShape` of ``model`` (meta is fine) sharded over ``world`` ranks.
 
     ``frozen``, ``units`` and ``recomputed`` are module names (``select_modules`` resolved the
     recipe's patterns); units are in the order ``apply_fsdp`` shards them, the root comes last.
     A parameter is trainable unless it is under ``frozen`` or has ``requires_grad`` off (the base
-    of a LoRA model); ``lora`` is ``engine.lora.apply_lora``'s result for such a model.
+    of a LoRA model); ``lora`` is ``engine.lora.apply_lora``'s result for such a model;
+    ``quantized`` is QLoRA's (parameter names in NF4, block, scaler block).
     """
     owners = [(u, f"{u}.") for u in units]
-    unit_acc: dict[str, list[int]] = {u: [0, 0, 0, 0] for u in [*units, "(root)"]}
+    unit_acc: dict[str, list[int]] = {u: [0, 0, 0, 0, 0] for u in [*units, "(root)"]}
+    nf4_names = quantized[0] if quantized else set()
+    nf4 = [0, 0, 0]  # numel, shard numel, largest
     counts = parameter_counts(model, frozen)
     shard = trainable_shard = 0
     shards: list[int] = []
     vision_trainable = False
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_trainable = True
     for name, param, is_trainable in unique_parameters(model, frozen):
+        if head is not None and param is head.weight:
+            head_trainable = is_trainable
         n = param.numel()
         dim0 = param.shape[0] if param.dim() else 1
         local, padded = _shard_rows(n, dim0, world)
@@ -680,6 +790,9 @@ def model_shape(
         acc = unit_acc[owner]
         acc[0] += n
         acc[2] += padded
+        if name in nf4_names:
+            acc[4] += padded
+            nf4 = [nf4[0] + n, nf4[1] + local, max(nf4[2], n)]
         if is_trainable:
             trainable_shard += local
             shards.append(local)
@@ -713,6 +826,8 @@ def model_shape(
         ),
         vision_trainable=vision_trainable,
         lora=_lora_shape(model, lora, text.num_hidden_layers) if lora is not None else None,
+        quant=QuantShape(*nf4, block=quantized[1], scaler_block=quantized[2]) if quantized else None,
+        head_trainable=head_trainable,
     )
 
 
@@ -817,6 +932,25 @@ def plan_recipe(recipe, *, device: str, world_size: int, nproc_per_node: int, de
         from .lora import apply_lora
 
         lora = apply_lora(model, recipe.model.lora, freeze=recipe.model.freeze)
+    quantized = None
+    spec = recipe.model.lora
+    if spec is not None and spec.quantize_base != "none":
+        from .qlora import check_layout, quantize_targets
+
+        # The weights the trainer quantises, checked against the FSDP group (the world) here, before any
+        # rank starts; torchao itself is not needed for the plan.
+        targets = quantize_targets(model, spec.quantize_apply_to)
+        check_layout(
+            [(n, tuple(m.weight.shape)) for n, m in targets],
+            spec.quantize_block_size,
+            spec.quantize_scaler_block_size,
+            world_size,
+        )
+        quantized = (
+            {f"{n}.weight" for n, _ in targets},
+            spec.quantize_block_size,
+            spec.quantize_scaler_block_size,
+        )
 
     def names(patterns: list[str], what: str) -> list[str]:
         return [n for n, _ in select_modules(model, patterns, what=what)] if patterns else []
@@ -827,7 +961,15 @@ def plan_recipe(recipe, *, device: str, world_size: int, nproc_per_node: int, de
     recomputed = (
         names(feat.recompute_plan.apply_modules, "features.recompute_plan pattern") if feat.recompute else []
     )
-    shape = model_shape(model, frozen=frozen, units=units, recomputed=recomputed, world=world_size, lora=lora)
+    shape = model_shape(
+        model,
+        frozen=frozen,
+        units=units,
+        recomputed=recomputed,
+        world=world_size,
+        lora=lora,
+        quantized=quantized,
+    )
     settings = settings_from_recipe(
         recipe, device=device, world_size=world_size, nproc_per_node=nproc_per_node, detected=detected
     )

@@ -126,6 +126,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: FSDPPlan) -> list[tuple
     units = select_modules(model, plan.apply_modules, what="parallel.fsdp_plan.apply_modules pattern")
     units = tied_units(model, units)
     kwargs = {"mesh": mesh, "mp_policy": policy}
+    ignored = nf4_left_unsharded(model, mesh.size())
+    if ignored:
+        kwargs["ignored_params"] = ignored
     for _, module in units:
         fully_shard(module, reshard_after_forward=plan.reshard_after_forward, **kwargs)
     # The root last: it owns what no unit took, lazy init and the backward's final callback.
@@ -134,6 +137,20 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: FSDPPlan) -> list[tuple
     # first, so freeing them would only buy an immediate second all-gather.
     fully_shard(model, reshard_after_forward=None if plan.reshard_after_forward else False, **kwargs)
     return units
+
+
+def nf4_left_unsharded(model: nn.Module, group_size: int) -> set[nn.Parameter]:
+    """QLoRA's NF4 weights when the FSDP group is one rank: FSDP2 leaves them alone (``ignored_params``).
+
+    With one rank there is nothing to shard or gather, and FSDP2's one-rank shortcut (torch 2.13's
+    ``FSDPParamGroup.wait_for_unshard``) takes only the first of a tensor subclass's all-gather
+    inputs, where ``NF4Tensor`` has three: the weights stay plain NF4 parameters on the module.
+    """
+    from .qlora import is_nf4
+
+    if group_size != 1:
+        return set()
+    return {p for p in model.parameters() if is_nf4(p)}
 
 
 TIED_UNIT = "model.language_model.embed_tokens+lm_head"
@@ -297,7 +314,9 @@ def parallelize_model(
 
     0. (Before this function, after the loss head) **LoRA** (``model.lora``, ``lora``: what
        ``engine.lora.apply_lora`` did): PEFT's layers replace the target Linear layers and the
-       base is frozen, so every later step sees the final modules and ``requires_grad``.
+       base is frozen, so every later step sees the final modules and ``requires_grad``. With
+       ``quantize_base: nf4`` the frozen decoder Linear weights then become (meta) NF4 tensors
+       (``engine.qlora.quantize_base_``), so FSDP2 shards and all-gathers them 4-bit.
     1. **Freeze** (``model.freeze``): ``fully_shard`` records ``requires_grad`` when it builds its
        parameter groups, so this comes before FSDP.
     2. **Module kernels**: the contiguous-Linear weight gradient
@@ -317,7 +336,8 @@ def parallelize_model(
        sequence and the root forward returns the loss sum over the whole sequence (``loss_fn``
        computes it from the hidden states); it wraps the sharded model's forward.
     7. **Materialize** (``training.init_model_with_meta_device``): allocate the sharded storage on
-       ``device``; the weights are loaded afterwards.
+       ``device`` (QLoRA's NF4 weights too: ``qlora.materialize_nf4_``); the weights are loaded
+       afterwards (an NF4 weight is quantised as it loads).
     8. **LoRA init** (with ``lora``): PEFT's ``init_lora_weights`` re-run on the sharded adapters,
        each full tensor drawn from ``training.seed`` (a meta build leaves them uninitialised; the
        values do not depend on the sharding or on the meta build). The base loader skips them.
@@ -367,6 +387,9 @@ def parallelize_model(
         log.info("context parallel: %s", done.context_parallel)
     if recipe.training.init_model_with_meta_device:
         materialize(model, device)
+        from .qlora import materialize_nf4_
+
+        materialize_nf4_(model, device)
     if lora is not None:
         from .lora import init_adapter_weights
 

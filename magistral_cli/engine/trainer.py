@@ -39,6 +39,7 @@ from .optim import build_optimizer, clip_grads_, grad_norm_and_sums, lr_at
 from .parallelize import ParallelDims, parallelize_model, skip_blank_vision_forward
 from .preference import PreferenceStep, evaluate_pairs, metrics_of, reference_source
 from .profiling import MemoryProfiler, StepProfiler
+from .qlora import quantize_from_recipe
 from .resume import CheckpointManager
 from .rng import seed_everything
 from .step_log import StepLog, read_step_values
@@ -171,6 +172,9 @@ class Trainer:
         model = self._new_model(config)
         # LoRA (model.lora): PEFT's layers in place, the base frozen, before anything wraps a module.
         self.lora = lora_mod.apply_lora_from_recipe(model, recipe)
+        # QLoRA (model.lora.quantize_base): the frozen decoder Linear weights become NF4 before FSDP2
+        # shards them; the loader quantises the real weights into them.
+        self.quantized = quantize_from_recipe(model, recipe, shards=self.dims.dp * self.dims.cp)
         done = parallelize_model(
             model,
             recipe,

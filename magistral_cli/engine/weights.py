@@ -36,6 +36,8 @@ from magistral_cli.checkpoint.layout import DCP_METADATA, MEGATRON_RELEASE_DIR, 
 from magistral_cli.checkpoint.native import from_native_rows, rotary_head_dim
 from magistral_cli.errors import UserError
 
+from .qlora import is_nf4, load_nf4_
+
 log = logging.getLogger(__name__)
 
 
@@ -176,7 +178,12 @@ def load_hf(model: nn.Module, path: Path, strict: bool) -> LoadReport:
                         continue
                     local, slices = local_slices(targets[key])
                     head_dim = rotary_head_dim(by_key[key][0], model.config) if native else None
-                    if local.numel() and head_dim is not None:
+                    if is_nf4(local):
+                        # QLoRA: the whole weight, quantised on this rank's device; one at a time.
+                        full = f.get_tensor(by_key[key][0])
+                        load_nf4_(local, slices[0], from_native_rows(full, head_dim) if head_dim else full)
+                        del full
+                    elif local.numel() and head_dim is not None:
                         local.copy_(from_native_rows(f.get_tensor(by_key[key][0]), head_dim)[slices])
                     elif local.numel():
                         local.copy_(source[slices])
@@ -230,7 +237,19 @@ def load_dcp(model: nn.Module, path: Path, strict: bool) -> LoadReport:
             )
     _check_keys(report, list(targets), source_keys, strict, problems)
     wanted = {prefix + k: v for k, v in targets.items() if k in source_keys}
-    dcp.load(wanted, storage_reader=SafeFileSystemReader(str(path)))
+    # QLoRA's NF4 weights are read whole, one at a time, and quantised (``qlora.load_nf4_``).
+    quantized = {k: v for k, v in wanted.items() if is_nf4(v)}
+    dcp.load(
+        {k: v for k, v in wanted.items() if k not in quantized},
+        storage_reader=SafeFileSystemReader(str(path)),
+    )
+    for key, target in quantized.items():
+        meta = metadata[key]
+        full = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        dcp.load({key: full}, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)
+        local, slices = local_slices(target)
+        load_nf4_(local, slices[0], full)
+        del full
     report.loaded = len(wanted)
     return report
 

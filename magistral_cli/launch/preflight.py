@@ -90,8 +90,16 @@ def check_paths(recipe: Recipe, warnings: list[str], dry_run: bool) -> None:
 
 def check_inputs(recipe: Recipe, warnings: list[str], dry_run: bool) -> None:
     """The recipe's inputs: the paths (``check_paths``), no LoRA checkpoint as ``training.load``,
-    and ``tools.logger``'s package installed, before any rank starts."""
+    and the optional packages the recipe needs (``tools.logger``'s, torchao for QLoRA) installed,
+    before any rank starts."""
     check_paths(recipe, warnings, dry_run)
+    lora = recipe.model.lora
+    if lora is not None and lora.quantize_base != "none":
+        from magistral_cli.versions import optional_problem
+
+        problem = optional_problem("torchao")
+        if problem:
+            raise UserError(problem)
     from magistral_cli.engine.lora import refuse_lora_checkpoint_as_load
 
     refuse_lora_checkpoint_as_load(recipe.training.load, recipe.training.load_format)

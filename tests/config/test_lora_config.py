@@ -143,6 +143,40 @@ def test_bad_lora_settings_name_the_key_and_the_fix(lora, model, message):
         validate_recipe(_recipe(lora, **model))
 
 
+@pytest.mark.parametrize(
+    ("lora", "section", "message"),
+    [
+        ({"quantize_base": "int4"}, {}, r"model\.lora\.quantize_base: .*'none' or 'nf4'"),
+        ({"quantize_block_size": 63}, {}, r"model\.lora\.quantize_block_size: .*63 is odd; NF4 packs two"),
+        (
+            {},
+            {"training": {"load": None}},
+            r"quantize_base: nf4 quantises the base .*training\.load is unset",
+        ),
+        ({}, {"model": {"compile": True}}, r"model\.compile with model\.lora\.quantize_base: nf4 .*false"),
+        (
+            {},
+            {"features": {"contiguous_linear_grad_modules": ["model.language_model.layers.{*}.mlp.up_proj"]}},
+            r"contiguous_linear_grad_modules with model\.lora\.quantize_base: nf4: .*\[\]",
+        ),
+    ],
+)
+def test_bad_qlora_settings_name_the_key_and_the_fix(lora, section, message):
+    raw = _recipe({"target_modules": SEVEN, "quantize_base": "nf4", **lora})
+    raw["training"]["load"] = "/models/base"
+    for key, values in section.items():
+        raw.setdefault(key, {}).update(values)
+    with pytest.raises(UserError, match=message):
+        validate_recipe(raw)
+    qlora = load_recipe(REPO / "recipes" / "tiny" / "tiny_cpu_qlora.yaml").model.lora
+    assert (qlora.quantize_base, qlora.quantize_block_size, qlora.quantize_scaler_block_size) == (
+        "nf4",
+        64,
+        16,
+    )
+    assert load_recipe(TINY_LORA).model.lora.quantize_base == "none"  # the default: plain LoRA
+
+
 def test_adapting_the_projector_is_accepted_once_it_is_not_frozen():
     spec = validate_recipe(
         _recipe({"target_modules": ["linear_1"], "apply_to": ["projector"]}, freeze=["model.vision_tower"])

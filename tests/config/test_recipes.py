@@ -18,8 +18,8 @@ SHIPPED = sorted((REPO / "recipes").rglob("*.yaml"))
 def test_fixture_sets_are_complete():
     assert len(SEED_CONFIGS) == 4
     assert {p.parent.name for p in SHIPPED} == {"magistral-small-2509", "tiny"}
-    # The seed's four ported configs, the LoRA recipe and the DPO recipe.
-    assert len([p for p in SHIPPED if p.parent.name == "magistral-small-2509"]) == 6
+    # The seed's four ported configs, the LoRA, QLoRA and DPO recipes.
+    assert len([p for p in SHIPPED if p.parent.name == "magistral-small-2509"]) == 7
 
 
 @pytest.mark.parametrize("path", SEED_CONFIGS, ids=lambda p: p.name)
@@ -63,6 +63,9 @@ def test_shipped_recipes_validate_and_open_with_commands(path):
         assert "magistral fetch --model-dir" in text
         # The seed's 4- and 8-card recipes; LoRA fits one device.
         assert recipe.parallel.nproc_per_node in ((1,) if recipe.model.lora is not None else (4, 8))
+    if recipe.model.lora is not None and recipe.model.lora.quantize_base != "none":
+        # QLoRA recipes say what they need installed and that the adapters apply to the bf16 base.
+        assert "pip install 'magistral-cli[qlora]'" in text and "--lora adapters" in text
 
 
 def test_ported_recipes_keep_the_seed_settings():
