@@ -113,7 +113,9 @@ class NativeSpec:
     note: str = ""
 
     def locked_files(self) -> list[LockedFile]:
-        return [LockedFile(name, self.repo, self.revision, None, None, OFFICIAL_SOURCE) for name in self.names]
+        return [
+            LockedFile(name, self.repo, self.revision, None, None, OFFICIAL_SOURCE) for name in self.names
+        ]
 
 
 @dataclass(frozen=True)
