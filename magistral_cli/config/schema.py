@@ -888,6 +888,13 @@ class DpoConfig(Section):
             "with its adapters switched off (no second model); without LoRA a frozen copy of the starting weights."
         ),
     )
+    precompute_ref: bool = Field(
+        False,
+        description=(
+            "Addition. Compute the reference's log-probabilities of every pair once before training and store "
+            "them beside the preprocessed cache; training then holds no reference model (sigmoid / ipo only)."
+        ),
+    )
 
     @property
     def needs_reference(self) -> bool:
@@ -900,6 +907,11 @@ class DpoConfig(Section):
             raise ValueError(
                 f"ref_model is set but loss {self.loss!r} uses no reference model; remove training.dpo.ref_model "
                 "or use loss: sigmoid / ipo"
+            )
+        if self.precompute_ref and not self.needs_reference:
+            raise ValueError(
+                f"precompute_ref stores the reference model's log-probabilities, but loss {self.loss!r} uses no "
+                "reference model; set training.dpo.precompute_ref: false or use loss: sigmoid / ipo"
             )
         if self.label_smoothing and self.loss != "sigmoid":
             raise ValueError(f"label_smoothing applies to loss: sigmoid only, not {self.loss!r}; set it to 0")
@@ -1287,6 +1299,12 @@ class Recipe(Section):
                 "data.dataset_param.basic_parameters.val_size or train on a pair dataset"
             )
         lora, dpo = self.model.lora, self.training.dpo
+        if dpo.precompute_ref and self.data.dataset_param.is_synthetic:
+            raise ValueError(
+                "training.dpo.precompute_ref stores the reference's log-probabilities beside the preprocessed "
+                "cache, but synthetic data has no cache; set training.dpo.precompute_ref: false or train on a "
+                "pair dataset"
+            )
         if lora is not None and lora.modules_to_save and dpo.needs_reference and dpo.ref_model is None:
             raise ValueError(
                 "training.stage: dpo with LoRA compares with the base (adapters off), but "

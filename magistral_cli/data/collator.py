@@ -26,6 +26,9 @@ from .encoder import IGNORE_INDEX
 COLLATORS = ("pixtral",)
 #: what an attention segment is in a packed batch (None: no segments, plain causal rows)
 SEGMENT_MODES = (None, "rows", "samples")
+#: A pair batch's entry naming each row's sample in the cache entry (int64 ``[2B]``; pair k is
+#: samples 2k, 2k + 1): where precomputed reference log-probabilities are looked up. Not a model input.
+SAMPLE_INDEX = "sample_index"
 
 
 class PixtralCollator:
@@ -101,7 +104,8 @@ class PairCollator:
     Rows ``0..B-1`` are the chosen sequences of pairs ``0..B-1``, rows ``B..2B-1`` the rejected
     sequences of the same pairs in the same order: exactly what ``collator`` makes of the list
     ``[chosen_0, ..., chosen_{B-1}, rejected_0, ..., rejected_{B-1}]``, so ``pixel_values`` and
-    ``image_sizes`` follow that row order (a pair's prompt images appear twice).
+    ``image_sizes`` follow that row order (a pair's prompt images appear twice). Items that carry
+    their cache sample (``"sample_index"``, ``loader.TrainDataset``) add ``SAMPLE_INDEX``, one per row.
     """
 
     def __init__(self, collator: PixtralCollator):
@@ -110,7 +114,11 @@ class PairCollator:
         self.collator = collator
 
     def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
-        return self.collator([item["chosen"] for item in items] + [item["rejected"] for item in items])
+        rows = [item["chosen"] for item in items] + [item["rejected"] for item in items]
+        out = self.collator(rows)
+        if all("sample_index" in row for row in rows):
+            out[SAMPLE_INDEX] = torch.tensor([int(row["sample_index"]) for row in rows], dtype=torch.int64)
+        return out
 
 
 def pair_rows(batch: dict) -> int:

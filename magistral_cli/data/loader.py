@@ -129,8 +129,8 @@ class TrainDataset:
     ``indices[i]`` (the training samples of a validation split); neither: item ``i`` is sample ``i``.
 
     In a pair entry (``encoded.pairs``) indices count pairs, and item ``i`` is
-    ``{"chosen": item, "rejected": item}`` of pair ``i`` (or ``indices[i]``), each such a dict
-    (``collator.PairCollator`` batches them); there are no packs.
+    ``{"chosen": item, "rejected": item}`` of pair ``i`` (or ``indices[i]``), each such a dict with
+    its ``sample_index`` in the entry (``collator.PairCollator`` batches them); there are no packs.
     """
 
     def __init__(
@@ -157,7 +157,9 @@ class TrainDataset:
             return self._item(self.packs[index])
         unit = self.indices[index] if self.indices is not None else index
         if self.encoded.pairs:
-            return {"chosen": self._item([2 * unit]), "rejected": self._item([2 * unit + 1])}
+            chosen, rejected = self._item([2 * unit]), self._item([2 * unit + 1])
+            chosen["sample_index"], rejected["sample_index"] = 2 * unit, 2 * unit + 1
+            return {"chosen": chosen, "rejected": rejected}
         return self._item([unit])
 
     def _item(self, members: list[int]) -> dict:
@@ -455,4 +457,24 @@ def build_val_batches(recipe, dataset: EncodedDataset, *, dp_rank: int, dp_size:
         dp_size=dp_size,
         num_workers=dl.num_workers,
         pin_memory=dl.pin_memory and (torch.cuda.is_available() or hasattr(torch, "npu")),
+    )
+
+
+def build_all_pairs_batches(recipe, dataset: EncodedDataset, *, dp_rank: int, dp_size: int) -> ValBatches:
+    """Rank ``dp_rank``'s share of every pair of a pair entry (training and validation pairs alike),
+    in micro-batches of ``training.micro_batch_size`` pairs as training collates them (``SAMPLE_INDEX``
+    included), the same count on every rank (fillers without targets, see ``ValBatches``): the one
+    pass that precomputes the reference's log-probabilities (``training.dpo.precompute_ref``)."""
+    from .pipeline import image_settings_of
+
+    _check_loader_options(recipe)
+    _check_stage(recipe, dataset)
+    return ValBatches.over(
+        TrainDataset(dataset, image_settings_of(dataset)),
+        range(dataset.num_units),
+        _collator(recipe, dataset),
+        micro_batch_size=recipe.training.micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        num_workers=recipe.data.dataloader_param.num_workers,
     )
