@@ -423,7 +423,8 @@ class BasicParameters(Section):
         False,
         description=(
             "Packing in which each sample attends to its own tokens only (and packing: true by default); "
-            "the same on every device. Not with context parallelism."
+            "the same on every device. Not with context parallelism. Under training.stage: dpo a pack holds "
+            "whole pairs, up to 2 x cutoff_len tokens."
         ),
     )
     default_system: Optional[str] = Field(
@@ -930,7 +931,12 @@ class Training(Section):
         default_factory=DpoConfig, description="Addition. Preference training (stage: dpo)."
     )
     micro_batch_size: int = Field(
-        1, ge=1, description="Samples per rank per micro-batch (stage dpo: pairs, two sequences each)."
+        1,
+        ge=1,
+        description=(
+            "Samples per rank per micro-batch (stage dpo: pairs, two sequences each); with packing, packs "
+            "(stage dpo: of whole pairs)."
+        ),
     )
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     seed: int = Field(
@@ -1265,11 +1271,14 @@ class Recipe(Section):
     @model_validator(mode="after")
     def _packed_tokens_fit_int32(self):
         basic = self.data.dataset_param.basic_parameters
-        tokens = self.training.micro_batch_size * basic.cutoff_len
+        # Under stage dpo a pack holds whole pairs: up to 2 x cutoff_len tokens.
+        sequences = 2 if self.training.stage == "dpo" else 1
+        tokens = self.training.micro_batch_size * basic.cutoff_len * sequences
         if basic.packing and tokens > TOKENS_MAX:
             raise ValueError(
-                f"training.micro_batch_size x data.dataset_param.basic_parameters.cutoff_len = {tokens} tokens a "
-                f"packed micro-batch, more than the attention's int32 offsets hold ({TOKENS_MAX}); lower one of them"
+                f"training.micro_batch_size x data.dataset_param.basic_parameters.cutoff_len{' x 2' * (sequences - 1)} "
+                f"= {tokens} tokens a packed micro-batch, more than the attention's int32 offsets hold "
+                f"({TOKENS_MAX}); lower one of them"
             )
         return self
 
@@ -1278,10 +1287,11 @@ class Recipe(Section):
         if self.training.stage != "dpo":
             return self
         basic = self.data.dataset_param.basic_parameters
-        if basic.packing:
+        if basic.packing and not basic.neat_packing:
             raise ValueError(
-                "training.stage: dpo with packing is not supported yet (each pair's two sequences must stay "
-                "apart); set data.dataset_param.basic_parameters.packing: false and neat_packing: false"
+                "training.stage: dpo with packing: true lets a pack's sequences attend to each other, mixing a "
+                "pair's chosen and rejected answers; set data.dataset_param.basic_parameters.neat_packing: true "
+                "(each sequence attends to itself only), or packing: false"
             )
         if self.parallel.cp_size > 1:
             raise ValueError(

@@ -98,22 +98,35 @@ class PixtralCollator:
 
 
 class PairCollator:
-    """Preference pairs as one ordinary unpacked batch of ``2B`` rows.
+    """Preference pairs as one batch: ``2B`` unpacked rows, or neat packs of whole pairs.
 
-    Each item is ``{"chosen": item, "rejected": item}`` (``loader.TrainDataset`` of a pair entry).
-    Rows ``0..B-1`` are the chosen sequences of pairs ``0..B-1``, rows ``B..2B-1`` the rejected
-    sequences of the same pairs in the same order: exactly what ``collator`` makes of the list
-    ``[chosen_0, ..., chosen_{B-1}, rejected_0, ..., rejected_{B-1}]``, so ``pixel_values`` and
-    ``image_sizes`` follow that row order (a pair's prompt images appear twice). Items that carry
-    their cache sample (``"sample_index"``, ``loader.TrainDataset``) add ``SAMPLE_INDEX``, one per row.
+    Unpacked (``segments`` None), each item is ``{"chosen": item, "rejected": item}``
+    (``loader.TrainDataset`` of a pair entry). Rows ``0..B-1`` are the chosen sequences of pairs
+    ``0..B-1``, rows ``B..2B-1`` the rejected sequences of the same pairs in the same order: exactly
+    what ``collator`` makes of the list ``[chosen_0, ..., chosen_{B-1}, rejected_0, ..., rejected_{B-1}]``,
+    so ``pixel_values`` and ``image_sizes`` follow that row order (a pair's prompt images appear twice).
+
+    Neat packing (``segments="samples"``): each item is a pack of whole pairs (chosen, rejected,
+    chosen, rejected, ...), one row each, every sequence its own attention segment (``cu_seqlens``).
+
+    Items that carry their cache samples (``"sample_index"``, ``loader.TrainDataset``) add
+    ``SAMPLE_INDEX``: one per row unpacked, one per sequence (in pack order) packed.
     """
 
     def __init__(self, collator: PixtralCollator):
-        if collator.segments is not None:
-            raise ValueError("preference pairs are not packed (segments must be None)")
+        if collator.segments == "rows":
+            raise ValueError(
+                "preference pairs are packed neatly (segments 'samples'), never with attention across a row"
+            )
         self.collator = collator
 
     def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
+        if self.collator.segments == "samples":
+            out = self.collator(items)
+            if all("sample_index" in item for item in items):
+                indices = np.concatenate([np.asarray(item["sample_index"], dtype=np.int64) for item in items])
+                out[SAMPLE_INDEX] = torch.from_numpy(indices)
+            return out
         rows = [item["chosen"] for item in items] + [item["rejected"] for item in items]
         out = self.collator(rows)
         if all("sample_index" in row for row in rows):
@@ -122,12 +135,15 @@ class PairCollator:
 
 
 def pair_rows(batch: dict) -> int:
-    """B, the pairs in a micro-batch of preference pairs (``PairCollator``): its rows are ``2B``,
-    chosen rows ``[:B]``, rejected rows ``[B:]``."""
-    rows = int(batch["input_ids"].shape[0])
-    if rows % 2:
-        raise ValueError(f"a batch of preference pairs has an even number of rows, not {rows}")
-    return rows // 2
+    """B, the pairs in a micro-batch of preference pairs (``PairCollator``): unpacked, its rows are
+    ``2B``, chosen rows ``[:B]``, rejected rows ``[B:]``; neat packs hold ``2B`` sequences."""
+    if "cu_seqlens" in batch:
+        sequences = len(sequence_lengths(batch["attention_mask"], batch["cu_seqlens"]))
+    else:
+        sequences = int(batch["input_ids"].shape[0])
+    if sequences % 2:
+        raise ValueError(f"a batch of preference pairs has an even number of sequences, not {sequences}")
+    return sequences // 2
 
 
 def sequence_lengths(attention_mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> list[int]:

@@ -130,7 +130,9 @@ class TrainDataset:
 
     In a pair entry (``encoded.pairs``) indices count pairs, and item ``i`` is
     ``{"chosen": item, "rejected": item}`` of pair ``i`` (or ``indices[i]``), each such a dict with
-    its ``sample_index`` in the entry (``collator.PairCollator`` batches them); there are no packs.
+    its ``sample_index`` in the entry (``collator.PairCollator`` batches them). Packs of pairs
+    (neat_packing) hold whole pairs, ``[2k, 2k + 1, 2j, 2j + 1, ...]``; their item adds
+    ``sample_index``, the entry's index of each sample in the pack.
     """
 
     def __init__(
@@ -141,7 +143,11 @@ class TrainDataset:
         indices: list[int] | None = None,
     ):
         if packs is not None and encoded.pairs:
-            raise ValueError("preference pairs are not packed")
+            for pack in packs:
+                if pack[0::2] != [2 * (i // 2) for i in pack[0::2]] or pack[1::2] != [
+                    i + 1 for i in pack[0::2]
+                ]:
+                    raise ValueError(f"a pack of pairs holds whole pairs (2k, 2k + 1, ...), not {pack}")
         self.encoded = encoded
         self.settings = settings
         self.packs = packs
@@ -154,7 +160,10 @@ class TrainDataset:
 
     def __getitem__(self, index: int) -> dict:
         if self.packs is not None:
-            return self._item(self.packs[index])
+            item = self._item(self.packs[index])
+            if self.encoded.pairs:
+                item["sample_index"] = np.asarray(self.packs[index], dtype=np.int64)
+            return item
         unit = self.indices[index] if self.indices is not None else index
         if self.encoded.pairs:
             chosen, rejected = self._item([2 * unit]), self._item([2 * unit + 1])
@@ -237,21 +246,26 @@ def _collator(recipe, dataset: EncodedDataset, segments: str | None = None):
 
 def build_train_dataset(recipe, dataset: EncodedDataset) -> TrainDataset:
     """The map-style dataset the loader reads: samples, or packs of them with ``packing: true``;
-    the training samples only when the recipe has a validation split (``val_size``)."""
+    the training samples only when the recipe has a validation split (``val_size``). Pairs are
+    packed whole (neat_packing), up to ``2 x cutoff_len`` tokens a pack."""
     from .pipeline import image_settings_of
 
     basic = recipe.data.dataset_param.basic_parameters
     _check_stage(recipe, dataset)
     split = dataset_split(recipe, dataset)
     packing = basic.packing or basic.neat_packing
-    if split is None:
-        packs = plan_packs(dataset.lengths, basic.cutoff_len) if packing else None
-        return TrainDataset(dataset, image_settings_of(dataset), packs)
-    train = split[0]
+    train = split[0] if split is not None else None
     if not packing:
         return TrainDataset(dataset, image_settings_of(dataset), indices=train)
-    planned = plan_packs(np.asarray(dataset.lengths)[train], basic.cutoff_len)
-    packs = [[train[position] for position in pack] for pack in planned]
+    units = list(range(dataset.num_units)) if train is None else train
+    lengths = np.asarray(dataset.lengths)
+    capacity = basic.cutoff_len
+    if dataset.pairs:  # a pack holds whole pairs: a pair's two sequences, up to cutoff_len each
+        lengths, capacity = lengths[0::2] + lengths[1::2], 2 * basic.cutoff_len
+    planned = plan_packs(lengths[units], capacity)
+    packs = [[units[position] for position in pack] for pack in planned]
+    if dataset.pairs:
+        packs = [[sample for pair in pack for sample in (2 * pair, 2 * pair + 1)] for pack in packs]
     return TrainDataset(dataset, image_settings_of(dataset), packs)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,53 @@ def preference_loss(recipe) -> PreferenceLoss:
 def answer_counts(labels: torch.Tensor) -> torch.Tensor:
     """Each row's target count (float, host): the answer's tokens and its end of sequence."""
     return (labels[:, 1:] != IGNORE_INDEX).sum(dim=1).to(torch.float32)
+
+
+@dataclass(frozen=True)
+class PairLayout:
+    """Where a host micro-batch of pairs keeps its sequences (host tensors, no device work).
+
+    ``counts``: each sequence's target count (float), the chosen sequences of the ``pairs`` pairs
+    first, then their rejected ones in the same order. Unpacked, that is the row order. In neat
+    packs of whole pairs (``cu_seqlens``) the sequences come in pack order (chosen, rejected, chosen,
+    ...): ``sequence_ids`` ``[B, L - 1]`` names the sequence of every target (the model sums each
+    sequence's log-probabilities by it) and ``order`` puts the pack order chosen first.
+    """
+
+    pairs: int
+    counts: torch.Tensor
+    sequence_ids: torch.Tensor | None = None
+    order: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, mb: dict) -> PairLayout:
+        if "cu_seqlens" not in mb:
+            return cls(pair_rows(mb), answer_counts(mb["labels"]))
+        bounds = mb["cu_seqlens"].to(torch.int64)
+        rows, length = mb["input_ids"].shape
+        segment = torch.repeat_interleave(torch.arange(len(bounds) - 1), bounds[1:] - bounds[:-1]).view(
+            rows, length
+        )
+        real = torch.zeros(len(bounds) - 1, dtype=torch.bool)
+        real[segment[mb["attention_mask"].bool()]] = True  # padding segments hold no sequence
+        number = torch.where(real, torch.cumsum(real.to(torch.int64), 0) - 1, 0)
+        # The target at (r, c) is predicted by position c; a sequence's first label is never a target,
+        # so no target is predicted across a boundary.
+        sequence_ids = number[segment][:, :-1].contiguous()
+        sequences = int(real.sum())
+        if sequences % 2:
+            raise ValueError(f"a pack of pairs holds an even number of sequences, not {sequences}")
+        targets = mb["labels"][:, 1:] != IGNORE_INDEX
+        counts = torch.bincount(sequence_ids[targets], minlength=sequences).to(torch.float32)
+        order = torch.cat([torch.arange(0, sequences, 2), torch.arange(1, sequences, 2)])
+        if SAMPLE_INDEX in mb:
+            index = mb[SAMPLE_INDEX][order]
+            pairs = sequences // 2
+            if len(mb[SAMPLE_INDEX]) != sequences or not bool(
+                ((index[:pairs] % 2 == 0) & (index[pairs:] == index[:pairs] + 1)).all()
+            ):
+                raise ValueError("a pack of pairs holds each pair's chosen sequence, then its rejected one")
+        return cls(sequences // 2, counts[order], sequence_ids, order)
 
 
 @contextlib.contextmanager
@@ -164,13 +212,21 @@ class PreferenceStep:
             with adapters_off(self.trainer.model):
                 return self.trainer.model(**batch, sequence_logps=True)
 
-    def scored(self, mb: dict, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(per-pair losses, per-pair metrics) of one host micro-batch; ``counts`` its rows' target
-        counts (on the device)."""
-        batch = model_inputs(mb, self.trainer.device)
+    def scored(self, mb: dict, layout: PairLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-pair losses, per-pair metrics) of one host micro-batch (its ``PairLayout``)."""
+        device = self.trainer.device
+        batch = model_inputs(mb, device)
+        if layout.sequence_ids is not None:
+            batch["sequence_ids"] = host_to_device(layout.sequence_ids, device)
+            batch["num_sequences"] = len(layout.counts)
         ref = self.reference_logps(batch, mb)
         logps = self.trainer.model(**batch, sequence_logps=True)
-        pairs = logps.shape[0] // 2
+        if layout.order is not None:  # pack order -> chosen first
+            order = host_to_device(layout.order, device)
+            logps = logps[order]
+            ref = None if ref is None else ref[order]
+        counts = host_to_device(layout.counts, device)
+        pairs = layout.pairs
         return self.loss(
             logps[:pairs],
             logps[pairs:],
@@ -189,12 +245,12 @@ class PreferenceStep:
         """
         t = self.trainer
         local = torch.zeros(4, dtype=torch.int64)  # targets, tokens, model FLOPs (FLOP_UNITs), pairs
-        row_counts = []
+        layouts = []
         for mb in micro_batches:
             check_micro_batch(mb, t.model_config, context_parallel=False)
-            local[3] += pair_rows(mb)
-            row_counts.append(answer_counts(mb["labels"]))
-            local[0] += int(row_counts[-1].sum())
+            layouts.append(PairLayout.of(mb))
+            local[3] += layouts[-1].pairs
+            local[0] += int(layouts[-1].counts.sum())
             local[1] += mb["attention_mask"].sum()
             flops = micro_batch_flops(t.model_config, mb)
             if self.live_reference:
@@ -208,7 +264,7 @@ class PreferenceStep:
         defer = t.recipe.parallel.fsdp_plan.defer_grad_sync
         for i, mb in enumerate(micro_batches):
             t.model.set_requires_gradient_sync(i == last or not defer)
-            losses, metrics = self.scored(mb, row_counts[i].to(t.device))
+            losses, metrics = self.scored(mb, layouts[i])
             if scale is None:
                 pending.wait()
                 # The mean over the step's pairs on every rank: FSDP2 averages the gradients over dp.
@@ -240,11 +296,11 @@ def evaluate_pairs(step_obj: PreferenceStep, val_data, *, step: int) -> dict | N
     sums = torch.zeros(2 + len(METRIC_NAMES), dtype=torch.float32, device=t.device)  # pairs, loss, metrics
     with evaluating(t.model, t.device_type):
         for mb in val_data:
-            counts = answer_counts(mb["labels"])
-            losses, metrics = step_obj.scored(mb, counts.to(t.device))
-            if not int(counts.sum()):
+            layout = PairLayout.of(mb)
+            losses, metrics = step_obj.scored(mb, layout)
+            if not int(layout.counts.sum()):
                 continue  # a filler: the forwards ran for FSDP's collectives, nothing to count
-            sums[0] += pair_rows(mb)
+            sums[0] += layout.pairs
             sums[1] += losses.sum()
             sums[2:] += metrics.sum(dim=0)
     dist.all_reduce(sums, group=t.dp_group)

@@ -21,43 +21,15 @@ from magistral_cli.engine.checkpoint import FAULT_ENV
 from magistral_cli.engine.reference_logps import read_stored, reference_identity, store_path, write_stored
 from magistral_cli.engine.trainer import Trainer
 from magistral_cli.metric_names import PREFERENCE_METRICS
-from magistral_cli.quickstart import write_assets
-from magistral_cli.testing.tiny_data import write_synthetic_pair_dataset
 
-from .helpers import REPO, run_train
+from .helpers import DPO_RECIPE, pair_overrides, run_train, write_pair_assets
 
-RECIPE = REPO / "recipes" / "tiny" / "tiny_cpu_dpo.yaml"
 PRECOMPUTE = "training.dpo.precompute_ref=true"
-PAIRS = 12
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    """The quickstart's tiny model and 12 pairs of its kind with small images (a short pass)."""
-    root = tmp_path_factory.mktemp("dpo-precompute")
-    write_assets(root / "quickstart", 16)
-    write_synthetic_pair_dataset(root / "pairs", PAIRS, seed=1, image_sizes=[(56, 56), (28, 56)])
-    return root
-
-
-def _overrides(root):
-    model, basic = root / "quickstart" / "model", "data.dataset_param.basic_parameters"
-    return [
-        f"model.model_name_or_path={model}",
-        f"training.load={model}",
-        f"data.dataset_param.preprocess_parameters.model_name_or_path={model}",
-        f"{basic}.dataset={root / 'pairs' / 'data.jsonl'}",
-        f"{basic}.dataset_dir={root / 'pairs'}",
-        f"{basic}.cache_dir={root / 'cache'}",
-        f"{basic}.val_size=2",
-        f"{basic}.cutoff_len=256",
-        # One pair per micro-batch: training's batches are the pass's (no other pair's padding).
-        "training.micro_batch_size=1",
-        "training.train_iters=3",
-        "training.eval_interval=3",
-        "training.save_interval=2",
-        "training.resume=auto",
-    ]
+    return write_pair_assets(tmp_path_factory.mktemp("dpo-precompute"))
 
 
 def _records(run_dir):
@@ -66,18 +38,19 @@ def _records(run_dir):
 
 @pytest.mark.slow
 def test_precomputed_equals_live_reference_and_resume_reads_the_file(quick):
-    common = _overrides(quick)
-    live = run_train(RECIPE, quick / "live", *common)
+    # One pair per micro-batch (pair_overrides): training's batches are the pass's, padding included.
+    common = pair_overrides(quick)
+    live = run_train(DPO_RECIPE, quick / "live", *common)
     assert live.returncode == 0, live.stderr[-3000:]
     assert "reference model:" in live.stderr and "reference log-probabilities" not in live.stderr
 
     run = quick / "pre"
-    killed = run_train(RECIPE, run, *common, PRECOMPUTE, env={FAULT_ENV: "kill-during-save:3:0"})
+    killed = run_train(DPO_RECIPE, run, *common, PRECOMPUTE, env={FAULT_ENV: "kill-during-save:3:0"})
     assert killed.returncode != 0
     assert "computing them before training: none stored for this reference" in killed.stderr
     stored = sorted((quick / "cache").glob("magistral-*.ref-logps-*.safetensors"))
     assert len(stored) == 1
-    resumed = run_train(RECIPE, run, *common, PRECOMPUTE)
+    resumed = run_train(DPO_RECIPE, run, *common, PRECOMPUTE)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr
     assert f"reference log-probabilities: read from {stored[0]}" in resumed.stderr
@@ -95,12 +68,12 @@ def test_a_stale_file_is_recomputed_and_replaced(quick, tmp_path, caplog):
     from magistral_cli.data.loader import prepare_dataset
 
     overrides = [
-        *_overrides(quick),
+        *pair_overrides(quick),
         PRECOMPUTE,
         f"training.output_dir={tmp_path / 'run'}",
         "training.save_interval=0",
     ]
-    recipe = load_recipe(RECIPE, overrides)
+    recipe = load_recipe(DPO_RECIPE, overrides)
     dataset = prepare_dataset(recipe)
     identity = reference_identity(recipe, dataset)
     path = store_path(dataset, identity)
