@@ -21,7 +21,9 @@ what it was (the same sampler length, samples and order).
 Preference pairs (``training.stage: dpo``, a pair cache entry): the split, the samplers and the
 validation share count pairs, and a micro-batch of ``B = training.micro_batch_size`` pairs is an
 ordinary unpacked SFT batch of ``2B`` rows, the chosen sequences of the B pairs first, then their
-rejected sequences in the same order (``collator.PairCollator``; ``collator.pair_rows``).
+rejected sequences in the same order (``collator.PairCollator``; ``collator.pair_rows``). With
+``neat_packing`` the training loader packs whole pairs instead (up to ``2 x cutoff_len`` tokens a
+pack, ``micro_batch_size`` packs a micro-batch); validation stays unpacked.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ Two modes, the same on every device (``segment_mode``; the attention is ``ops.pa
 
 - ``packing: true``: attention is causal across the samples of a pack, as the seed documents;
 - ``neat_packing: true`` (which turns ``packing`` on): each sample attends to its own tokens only,
-  so a pack trains exactly like its samples one by one.
+  so a pack trains exactly like its samples one by one. Under ``training.stage: dpo`` only this mode
+  is allowed, and a pack holds whole pairs (``loader.build_train_dataset``).
 """
 
 from __future__ import annotations

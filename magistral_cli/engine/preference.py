@@ -6,7 +6,8 @@ The trainer keeps everything else (build, FSDP2, optimizer, checkpoints, resume,
 - a micro-batch holds ``B`` pairs as ``2B`` rows, the chosen sequences first, then the rejected
   ones of the same pairs in the same order (``data``'s pair collation); the policy scores both in
   one forward (``Mistral3ForTraining(..., sequence_logps=True)``: each row's summed target
-  log-probabilities, chunked like the SFT loss);
+  log-probabilities, chunked like the SFT loss); with neat packing a micro-batch is packs of whole
+  pairs instead, each sequence its own segment, summed per segment (``PairLayout``);
 - the reference scores the same rows under ``no_grad``: the policy itself with its LoRA adapters
   switched off (LoRA, ``ref_model: null``), or a frozen second model in the same FSDP2 layout
   (``reference_model``); orpo and simpo use none. With ``training.dpo.precompute_ref`` the

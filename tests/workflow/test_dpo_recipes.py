@@ -4,7 +4,7 @@ The quickstart's assets (the tiny model and 64 preference pairs with images in L
 ranking layout) are preprocessed into pairs, the LoRA recipe trains 12 steps (its rewards rise on
 the training pairs and are logged for the validation pairs), its adapters export as PEFT files that
 peft loads on the base, and `generate` answers with the run. The full recipe trains against a frozen
-copy of its starting weights, which its dry run counts. That the numbers are right is proven in
+copy of its starting weights, which its dry run counts, with its pairs neatly packed. That the numbers are right is proven in
 tests/engine/test_preference.py (against transformers' forward) and the exact resume in
 tests/engine/test_preference_distributed.py.
 """
@@ -108,8 +108,13 @@ def test_tiny_dpo_recipes_train_log_rewards_and_export(tmp_path):
     )
     assert answer.exit_code == 0, answer.output
 
+    # The full recipe neatly packed: packs of whole pairs (tests/engine/test_preference_packing.py proves
+    # a pack equal to its pairs unpacked).
     full_run = tmp_path / "full"
-    done = run_train(full_recipe, full_run, *common, "training.train_iters=3", "training.save_interval=0")
+    neat = "data.dataset_param.basic_parameters.neat_packing=true"
+    done = run_train(
+        full_recipe, full_run, *common, "training.train_iters=3", "training.save_interval=0", neat
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "reference model:" in done.stderr
     records = _records(full_run)
