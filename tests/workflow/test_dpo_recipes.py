@@ -4,9 +4,9 @@ The quickstart's assets (the tiny model and 64 preference pairs with images in L
 ranking layout) are preprocessed into pairs, the LoRA recipe trains 12 steps (its rewards rise on
 the training pairs and are logged for the validation pairs), its adapters export as PEFT files that
 peft loads on the base, and `generate` answers with the run. The full recipe trains against a frozen
-copy of its starting weights, which its dry run counts, with its pairs neatly packed. That the numbers are right is proven in
-tests/engine/test_preference.py (against transformers' forward) and the exact resume in
-tests/engine/test_preference_distributed.py.
+copy of its starting weights, which its dry run counts, with its pairs neatly packed. That the numbers
+are right is proven in tests/engine/test_preference.py (against transformers' forward), the exact resume
+in tests/engine/test_preference_distributed.py, packing in tests/engine/test_preference_packing.py.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from magistral_cli.cli.main import app
 from magistral_cli.metric_names import PREFERENCE_METRICS
+from magistral_cli.ops.packed_attention import packed_attention_name
 from magistral_cli.quickstart import write_assets
 from tests.engine.helpers import REPO, run_train
 
@@ -116,6 +117,8 @@ def test_tiny_dpo_recipes_train_log_rewards_and_export(tmp_path):
         full_recipe, full_run, *common, "training.train_iters=3", "training.save_interval=0", neat
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    resolved = json.loads((full_run / "run_identity.json").read_text())["resolved"]
+    assert resolved["attn_implementation"] == packed_attention_name("sdpa")
     assert "reference model:" in done.stderr
     records = _records(full_run)
     assert [r["step"] for r in records if "split" not in r] == [1, 2, 3]
