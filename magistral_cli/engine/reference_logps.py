@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -191,13 +192,16 @@ def compute_reference_logps(trainer, dataset) -> torch.Tensor:
     log.info(
         "reference log-probabilities: %d pairs in %d micro-batches per rank", dataset.num_units, len(batches)
     )
+    started, every = time.monotonic(), max(1, len(batches) // 10)
     with (
         evaluating(model, trainer.device_type),
         adapters_off(model) if reference is None else contextlib.nullcontext(),
     ):
-        for mb in batches:
+        for done, mb in enumerate(batches, 1):
             check_micro_batch(mb, trainer.model_config, context_parallel=False)
             logps = model(**model_inputs(mb, trainer.device), sequence_logps=True)
+            if trainer.rank == 0 and done % every == 0:
+                log.info("reference log-probabilities: %d of %d micro-batches", done, len(batches))
             if not bool((mb["labels"] != IGNORE_INDEX).any()):
                 continue  # a filler: the forward ran for FSDP's collectives
             index = mb[SAMPLE_INDEX]
@@ -211,6 +215,7 @@ def compute_reference_logps(trainer, dataset) -> torch.Tensor:
     both = host_to_device(torch.stack([values, seen]), trainer.device)
     dist.all_reduce(both, group=trainer.dp_group)
     values, seen = both.cpu()
+    log.info("reference log-probabilities: computed in %.1f s", time.monotonic() - started)
     if not bool((seen == 1).all()):
         raise RuntimeError(
             f"the reference pass scored {int((seen == 1).sum())} of {len(dataset)} samples exactly once"

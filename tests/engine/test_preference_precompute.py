@@ -9,9 +9,11 @@ with the reason in the log.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
+import weakref
 
 import pytest
 import torch
@@ -81,10 +83,20 @@ def test_a_stale_file_is_recomputed_and_replaced(quick, tmp_path, caplog):
     write_stored(path, torch.zeros(len(dataset)), {**identity, "dtype": "bf16"})
     assert read_stored(path, identity)[1] == f"{path} is stale: it was computed for another dtype"
 
+    built = []
+
+    class Watched(Trainer):
+        def _build_reference(self):
+            reference = super()._build_reference()
+            built.append(weakref.ref(reference))
+            return reference
+
     caplog.set_level(logging.INFO, logger="magistral_cli.engine")
-    trainer = Trainer(recipe)
+    trainer = Watched(recipe)
     try:
         assert trainer.preference.reference is None
+        gc.collect()
+        assert len(built) == 1 and built[0]() is None, "the reference model is freed after the pass"
         values = trainer.preference.stored
     finally:
         trainer.close()
