@@ -18,6 +18,8 @@ Each item is a dict from :class:`magistral_cli.data.loader.TrainDataset`: ``inpu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -144,6 +146,58 @@ def pair_rows(batch: dict) -> int:
     if sequences % 2:
         raise ValueError(f"a batch of preference pairs has an even number of sequences, not {sequences}")
     return sequences // 2
+
+
+def answer_counts(labels: torch.Tensor) -> torch.Tensor:
+    """Each row's target count (float, host): the answer's tokens and its end of sequence."""
+    return (labels[:, 1:] != IGNORE_INDEX).sum(dim=1).to(torch.float32)
+
+
+@dataclass(frozen=True)
+class PairLayout:
+    """Where a host micro-batch of pairs keeps its sequences (host tensors, no device work).
+
+    ``counts``: each sequence's target count (float), the chosen sequences of the ``pairs`` pairs
+    first, then their rejected ones in the same order. Unpacked, that is the row order. In neat
+    packs of whole pairs (``cu_seqlens``) the sequences come in pack order (chosen, rejected, chosen,
+    ...): ``sequence_ids`` ``[B, L - 1]`` names the sequence of every target (the model sums each
+    sequence's log-probabilities by it) and ``order`` puts the pack order chosen first.
+    """
+
+    pairs: int
+    counts: torch.Tensor
+    sequence_ids: torch.Tensor | None = None
+    order: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, mb: dict) -> PairLayout:
+        if "cu_seqlens" not in mb:
+            return cls(pair_rows(mb), answer_counts(mb["labels"]))
+        bounds = mb["cu_seqlens"].to(torch.int64)
+        rows, length = mb["input_ids"].shape
+        segment = torch.repeat_interleave(torch.arange(len(bounds) - 1), bounds[1:] - bounds[:-1]).view(
+            rows, length
+        )
+        real = torch.zeros(len(bounds) - 1, dtype=torch.bool)
+        real[segment[mb["attention_mask"].bool()]] = True  # padding segments hold no sequence
+        number = torch.where(real, torch.cumsum(real.to(torch.int64), 0) - 1, 0)
+        # The target at (r, c) is predicted by position c; a sequence's first label is never a target,
+        # so no target is predicted across a boundary.
+        sequence_ids = number[segment][:, :-1].contiguous()
+        sequences = int(real.sum())
+        if sequences % 2:
+            raise ValueError(f"a pack of pairs holds an even number of sequences, not {sequences}")
+        targets = mb["labels"][:, 1:] != IGNORE_INDEX
+        counts = torch.bincount(sequence_ids[targets], minlength=sequences).to(torch.float32)
+        order = torch.cat([torch.arange(0, sequences, 2), torch.arange(1, sequences, 2)])
+        if SAMPLE_INDEX in mb:
+            index = mb[SAMPLE_INDEX][order]
+            pairs = sequences // 2
+            if len(mb[SAMPLE_INDEX]) != sequences or not bool(
+                ((index[:pairs] % 2 == 0) & (index[pairs:] == index[:pairs] + 1)).all()
+            ):
+                raise ValueError("a pack of pairs holds each pair's chosen sequence, then its rejected one")
+        return cls(sequences // 2, counts[order], sequence_ids, order)
 
 
 def sequence_lengths(attention_mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> list[int]:

@@ -107,7 +107,7 @@ class Mistral3ForTraining(Mistral3ForConditionalGeneration):
         """The (weighted) sum of the token losses; with ``sequence_logps`` each row's summed target
         log-probabilities ``[B]`` instead (preference training), or in a neat pack each sequence's
         ``[num_sequences]``: ``sequence_ids`` ``[B, L - 1]`` names the sequence of every target
-        (``engine.preference.PairLayout``).
+        (``data.collator.PairLayout``).
 
         ``sample_weights`` ``[B]`` weighs every token of a row, ``[B, L - 1]`` every target.
         ``cu_seqlens`` / ``max_seqlen`` / ``seq_ends`` (``ops.packed_attention.packed_inputs``)

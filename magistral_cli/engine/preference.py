@@ -7,7 +7,7 @@ The trainer keeps everything else (build, FSDP2, optimizer, checkpoints, resume,
   ones of the same pairs in the same order (``data``'s pair collation); the policy scores both in
   one forward (``Mistral3ForTraining(..., sequence_logps=True)``: each row's summed target
   log-probabilities, chunked like the SFT loss); with neat packing a micro-batch is packs of whole
-  pairs instead, each sequence its own segment, summed per segment (``PairLayout``);
+  pairs instead, each sequence its own segment, summed per segment (``data.collator.PairLayout``);
 - the reference scores the same rows under ``no_grad``: the policy itself with its LoRA adapters
   switched off (LoRA, ``ref_model: null``), or a frozen second model in the same FSDP2 layout
   (``reference_model``); orpo and simpo use none. With ``training.dpo.precompute_ref`` the
@@ -27,15 +27,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from magistral_cli.data.collator import SAMPLE_INDEX, pair_rows
+from magistral_cli.data.collator import SAMPLE_INDEX, PairLayout
 from magistral_cli.errors import UserError
-from magistral_cli.ops.chunked_loss import IGNORE_INDEX
 from magistral_cli.ops.preference_loss import METRIC_NAMES, PreferenceLoss
 from magistral_cli.runtime import host_to_device
 
@@ -55,58 +53,6 @@ def preference_loss(recipe) -> PreferenceLoss:
         ftx=dpo.ftx,
         simpo_gamma=dpo.simpo_gamma,
     )
-
-
-def answer_counts(labels: torch.Tensor) -> torch.Tensor:
-    """Each row's target count (float, host): the answer's tokens and its end of sequence."""
-    return (labels[:, 1:] != IGNORE_INDEX).sum(dim=1).to(torch.float32)
-
-
-@dataclass(frozen=True)
-class PairLayout:
-    """Where a host micro-batch of pairs keeps its sequences (host tensors, no device work).
-
-    ``counts``: each sequence's target count (float), the chosen sequences of the ``pairs`` pairs
-    first, then their rejected ones in the same order. Unpacked, that is the row order. In neat
-    packs of whole pairs (``cu_seqlens``) the sequences come in pack order (chosen, rejected, chosen,
-    ...): ``sequence_ids`` ``[B, L - 1]`` names the sequence of every target (the model sums each
-    sequence's log-probabilities by it) and ``order`` puts the pack order chosen first.
-    """
-
-    pairs: int
-    counts: torch.Tensor
-    sequence_ids: torch.Tensor | None = None
-    order: torch.Tensor | None = None
-
-    @classmethod
-    def of(cls, mb: dict) -> PairLayout:
-        if "cu_seqlens" not in mb:
-            return cls(pair_rows(mb), answer_counts(mb["labels"]))
-        bounds = mb["cu_seqlens"].to(torch.int64)
-        rows, length = mb["input_ids"].shape
-        segment = torch.repeat_interleave(torch.arange(len(bounds) - 1), bounds[1:] - bounds[:-1]).view(
-            rows, length
-        )
-        real = torch.zeros(len(bounds) - 1, dtype=torch.bool)
-        real[segment[mb["attention_mask"].bool()]] = True  # padding segments hold no sequence
-        number = torch.where(real, torch.cumsum(real.to(torch.int64), 0) - 1, 0)
-        # The target at (r, c) is predicted by position c; a sequence's first label is never a target,
-        # so no target is predicted across a boundary.
-        sequence_ids = number[segment][:, :-1].contiguous()
-        sequences = int(real.sum())
-        if sequences % 2:
-            raise ValueError(f"a pack of pairs holds an even number of sequences, not {sequences}")
-        targets = mb["labels"][:, 1:] != IGNORE_INDEX
-        counts = torch.bincount(sequence_ids[targets], minlength=sequences).to(torch.float32)
-        order = torch.cat([torch.arange(0, sequences, 2), torch.arange(1, sequences, 2)])
-        if SAMPLE_INDEX in mb:
-            index = mb[SAMPLE_INDEX][order]
-            pairs = sequences // 2
-            if len(mb[SAMPLE_INDEX]) != sequences or not bool(
-                ((index[:pairs] % 2 == 0) & (index[pairs:] == index[:pairs] + 1)).all()
-            ):
-                raise ValueError("a pack of pairs holds each pair's chosen sequence, then its rejected one")
-        return cls(sequences // 2, counts[order], sequence_ids, order)
 
 
 @contextlib.contextmanager

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from magistral_cli.config import load_recipe
-from magistral_cli.data.collator import SAMPLE_INDEX, PairCollator, PixtralCollator
+from magistral_cli.data.collator import SAMPLE_INDEX, PairCollator, PairLayout, PixtralCollator
 from magistral_cli.data.loader import TrainDataset, dataset_split
-from magistral_cli.engine.preference import PairLayout, model_inputs
+from magistral_cli.engine.preference import model_inputs
 from magistral_cli.engine.trainer import Trainer
 from magistral_cli.testing.tiny_model import build_tiny_model, save_official_checkpoint
 
