@@ -38,7 +38,7 @@ from magistral_cli.errors import PATH_ERRNOS, UserError
 
 from .cache import EncodedDataset
 from .collator import COLLATORS, IGNORE_INDEX, PairCollator, PixtralCollator
-from .packing import plan_packs, segment_mode
+from .packing import packing_units, plan_packs, segment_mode
 from .pixtral import ImageChangedError, ImageSettings, ImageSizeError, load_pixel_values
 from .samplers import SAMPLER_TYPES, build_sampler
 
@@ -260,10 +260,8 @@ def build_train_dataset(recipe, dataset: EncodedDataset) -> TrainDataset:
     if not packing:
         return TrainDataset(dataset, image_settings_of(dataset), indices=train)
     units = list(range(dataset.num_units)) if train is None else train
-    lengths = np.asarray(dataset.lengths)
-    capacity = basic.cutoff_len
-    if dataset.pairs:  # a pack holds whole pairs: a pair's two sequences, up to cutoff_len each
-        lengths, capacity = lengths[0::2] + lengths[1::2], 2 * basic.cutoff_len
+    # A pack of a pair entry holds whole pairs: a pair's two sequences, up to cutoff_len each.
+    lengths, capacity = packing_units(dataset.lengths, basic.cutoff_len, pairs=dataset.pairs)
     planned = plan_packs(lengths[units], capacity)
     packs = [[units[position] for position in pack] for pack in planned]
     if dataset.pairs:

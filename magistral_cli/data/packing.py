@@ -31,6 +31,15 @@ def segment_mode(recipe) -> str | None:
     return "samples" if basic.neat_packing else "rows"
 
 
+def packing_units(sample_lengths, cutoff_len: int, *, pairs: bool) -> tuple[np.ndarray, int]:
+    """(the lengths of what is packed, a pack's capacity): samples up to ``cutoff_len``, or in a pair
+    entry whole pairs (sample 2k with 2k + 1) up to ``2 x cutoff_len``, each sequence up to ``cutoff_len``."""
+    lengths = np.asarray(sample_lengths, dtype=np.int64)
+    if not pairs:
+        return lengths, int(cutoff_len)
+    return lengths[0::2] + lengths[1::2], 2 * int(cutoff_len)
+
+
 def plan_packs(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     """Groups of sample indices whose lengths add up to at most ``capacity``.
 

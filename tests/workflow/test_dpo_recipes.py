@@ -18,6 +18,8 @@ import torch
 from typer.testing import CliRunner
 
 from magistral_cli.cli.main import app
+from magistral_cli.config import load_recipe
+from magistral_cli.data.loader import build_train_dataset, prepare_dataset
 from magistral_cli.metric_names import PREFERENCE_METRICS
 from magistral_cli.ops.packed_attention import packed_attention_name
 from magistral_cli.quickstart import write_assets
@@ -59,6 +61,21 @@ def test_tiny_dpo_recipes_train_log_rewards_and_export(tmp_path):
     assert plan.exit_code == 0, plan.output
     items = json.loads(plan.stdout)["memory_plan"]["memory"]["items"]
     assert items["reference_shards"] > 0
+    # The padding estimate: 2 rows a pair unpacked; packed, packs of whole pairs, exactly the packs the
+    # training loader builds (over every pair: no validation split) and every token in them.
+    modes = json.loads(plan.stdout)["padding"]["estimate"]["modes"]
+    assert (modes["none"]["rows_per_micro_batch"], modes["packing"]["rows_per_micro_batch"]) == (4, 2)
+    basic = "data.dataset_param.basic_parameters"
+    neat = load_recipe(
+        full_recipe,
+        [*common, f"{basic}.neat_packing=true", f"{basic}.val_size=0", "training.eval_interval=null"],
+    )
+    dataset = prepare_dataset(neat)
+    packs = build_train_dataset(neat, dataset)
+    assert modes["packing"]["rows"] == len(packs) and len(packs) < 64
+    assert modes["packing"]["real_tokens_per_micro_batch"] == pytest.approx(
+        2 * int(sum(dataset.lengths)) / len(packs), abs=0.1
+    )
     lora_plan = runner.invoke(app, ["train", str(lora_recipe), *common, "--dry-run", "--json"])
     assert "reference_shards" not in json.loads(lora_plan.stdout)["memory_plan"]["memory"]["items"]
 
