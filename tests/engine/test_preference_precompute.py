@@ -4,7 +4,8 @@ On the tiny DPO recipe's data (12 pairs with images in the quickstart's layout, 
 cache entry): 2 processes under `magistral train` give the same losses and metrics with the stored values
 as with the live frozen reference, a resume after a rank was killed mid-save reads the stored file
 (no second pass) and repeats the losses exactly; a stored file that does not match is recomputed,
-with the reason in the log.
+with the reason in the log, and the reference model is freed; the LoRA base is scored with its
+adapters off.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from magistral_cli.config import load_recipe
 from magistral_cli.engine.checkpoint import FAULT_ENV
+from magistral_cli.engine.preference import adapters_off, model_inputs
 from magistral_cli.engine.reference_logps import read_stored, reference_identity, store_path, write_stored
 from magistral_cli.engine.trainer import Trainer
 from magistral_cli.metric_names import PREFERENCE_METRICS
@@ -116,3 +118,31 @@ def test_a_stale_file_is_recomputed_and_replaced(quick, tmp_path, caplog):
     assert store_path(dataset, changed) != path
     found, why = read_stored(store_path(dataset, changed), changed)
     assert found is None and path.name in why
+
+
+def test_the_lora_base_is_precomputed_with_its_adapters_off(quick, tmp_path):
+    recipe = load_recipe(
+        DPO_RECIPE.with_name("tiny_cpu_dpo_lora.yaml"),
+        [
+            *pair_overrides(quick),
+            PRECOMPUTE,
+            "model.lora.init_lora_weights=false",  # random adapters: the policy is not its base
+            f"training.output_dir={tmp_path / 'run'}",
+            "training.save_interval=0",
+        ],
+    )
+    trainer = Trainer(recipe)
+    try:
+        step = trainer.preference
+        assert step.reference is None and step.precomputed and not step.uses_adapters_off
+        mb = next(iter(trainer.data))
+        stored = step.reference_logps({}, mb)
+        inputs = model_inputs(mb, torch.device("cpu"))
+        with torch.no_grad():
+            policy = trainer.model(**inputs, sequence_logps=True)
+            with adapters_off(trainer.model):
+                base = trainer.model(**inputs, sequence_logps=True)
+    finally:
+        trainer.close()
+    assert torch.equal(stored, base)
+    assert (policy - base).abs().max() > 1e-3, "the adapters change the policy"
