@@ -135,7 +135,8 @@ def render_padding(padding: dict[str, Any], console, *, full: bool = True) -> No
         table.add_row(
             label,
             fraction(mode),
-            f"{mb} x {mode['padded_tokens_per_micro_batch'] / mb:,.0f}",
+            f"{mode.get('rows_per_micro_batch', mb)} x "
+            f"{mode['padded_tokens_per_micro_batch'] / mode.get('rows_per_micro_batch', mb):,.0f}",
             f"{mode['micro_batches_per_epoch']:,}",
             f"{mode['steps_per_epoch']:,}",
         )

@@ -423,7 +423,8 @@ class BasicParameters(Section):
         False,
         description=(
             "Packing in which each sample attends to its own tokens only (and packing: true by default); "
-            "the same on every device. Not with context parallelism."
+            "the same on every device. Not with context parallelism. Under training.stage: dpo a pack holds "
+            "whole pairs, up to 2 x cutoff_len tokens."
         ),
     )
     default_system: Optional[str] = Field(
@@ -933,6 +934,13 @@ class DpoConfig(Section):
             "with its adapters switched off (no second model); without LoRA a frozen copy of the starting weights."
         ),
     )
+    precompute_ref: bool = Field(
+        False,
+        description=(
+            "Addition. Compute the reference's log-probabilities of every pair once before training and store "
+            "them beside the preprocessed cache; training then holds no reference model (sigmoid / ipo only)."
+        ),
+    )
 
     @property
     def needs_reference(self) -> bool:
@@ -945,6 +953,11 @@ class DpoConfig(Section):
             raise ValueError(
                 f"ref_model is set but loss {self.loss!r} uses no reference model; remove training.dpo.ref_model "
                 "or use loss: sigmoid / ipo"
+            )
+        if self.precompute_ref and not self.needs_reference:
+            raise ValueError(
+                f"precompute_ref stores the reference model's log-probabilities, but loss {self.loss!r} uses no "
+                "reference model; set training.dpo.precompute_ref: false or use loss: sigmoid / ipo"
             )
         if self.label_smoothing and self.loss != "sigmoid":
             raise ValueError(f"label_smoothing applies to loss: sigmoid only, not {self.loss!r}; set it to 0")
@@ -963,7 +976,12 @@ class Training(Section):
         default_factory=DpoConfig, description="Addition. Preference training (stage: dpo)."
     )
     micro_batch_size: int = Field(
-        1, ge=1, description="Samples per rank per micro-batch (stage dpo: pairs, two sequences each)."
+        1,
+        ge=1,
+        description=(
+            "Samples per rank per micro-batch (stage dpo: pairs, two sequences each); with packing, packs "
+            "(stage dpo: of whole pairs)."
+        ),
     )
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     seed: int = Field(
@@ -1320,11 +1338,14 @@ class Recipe(Section):
     @model_validator(mode="after")
     def _packed_tokens_fit_int32(self):
         basic = self.data.dataset_param.basic_parameters
-        tokens = self.training.micro_batch_size * basic.cutoff_len
+        # Under stage dpo a pack holds whole pairs: up to 2 x cutoff_len tokens.
+        sequences = 2 if self.training.stage == "dpo" else 1
+        tokens = self.training.micro_batch_size * basic.cutoff_len * sequences
         if basic.packing and tokens > TOKENS_MAX:
             raise ValueError(
-                f"training.micro_batch_size x data.dataset_param.basic_parameters.cutoff_len = {tokens} tokens a "
-                f"packed micro-batch, more than the attention's int32 offsets hold ({TOKENS_MAX}); lower one of them"
+                f"training.micro_batch_size x data.dataset_param.basic_parameters.cutoff_len{' x 2' * (sequences - 1)} "
+                f"= {tokens} tokens a packed micro-batch, more than the attention's int32 offsets hold "
+                f"({TOKENS_MAX}); lower one of them"
             )
         return self
 
@@ -1333,10 +1354,11 @@ class Recipe(Section):
         if self.training.stage != "dpo":
             return self
         basic = self.data.dataset_param.basic_parameters
-        if basic.packing:
+        if basic.packing and not basic.neat_packing:
             raise ValueError(
-                "training.stage: dpo with packing is not supported yet (each pair's two sequences must stay "
-                "apart); set data.dataset_param.basic_parameters.packing: false and neat_packing: false"
+                "training.stage: dpo with packing: true lets a pack's sequences attend to each other, mixing a "
+                "pair's chosen and rejected answers; set data.dataset_param.basic_parameters.neat_packing: true "
+                "(each sequence attends to itself only), or packing: false"
             )
         if self.parallel.cp_size > 1:
             raise ValueError(
@@ -1354,6 +1376,12 @@ class Recipe(Section):
                 "data.dataset_param.basic_parameters.val_size or train on a pair dataset"
             )
         lora, dpo = self.model.lora, self.training.dpo
+        if dpo.precompute_ref and self.data.dataset_param.is_synthetic:
+            raise ValueError(
+                "training.dpo.precompute_ref stores the reference's log-probabilities beside the preprocessed "
+                "cache, but synthetic data has no cache; set training.dpo.precompute_ref: false or train on a "
+                "pair dataset"
+            )
         if lora is not None and lora.modules_to_save and dpo.needs_reference and dpo.ref_model is None:
             raise ValueError(
                 "training.stage: dpo with LoRA compares with the base (adapters off), but "

@@ -18,6 +18,8 @@ Each item is a dict from :class:`magistral_cli.data.loader.TrainDataset`: ``inpu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -26,6 +28,9 @@ from .encoder import IGNORE_INDEX
 COLLATORS = ("pixtral",)
 #: what an attention segment is in a packed batch (None: no segments, plain causal rows)
 SEGMENT_MODES = (None, "rows", "samples")
+#: A pair batch's entry naming each row's sample in the cache entry (int64 ``[2B]``; pair k is
+#: samples 2k, 2k + 1): where precomputed reference log-probabilities are looked up. Not a model input.
+SAMPLE_INDEX = "sample_index"
 
 
 class PixtralCollator:
@@ -95,31 +100,104 @@ class PixtralCollator:
 
 
 class PairCollator:
-    """Preference pairs as one ordinary unpacked batch of ``2B`` rows.
+    """Preference pairs as one batch: ``2B`` unpacked rows, or neat packs of whole pairs.
 
-    Each item is ``{"chosen": item, "rejected": item}`` (``loader.TrainDataset`` of a pair entry).
-    Rows ``0..B-1`` are the chosen sequences of pairs ``0..B-1``, rows ``B..2B-1`` the rejected
-    sequences of the same pairs in the same order: exactly what ``collator`` makes of the list
-    ``[chosen_0, ..., chosen_{B-1}, rejected_0, ..., rejected_{B-1}]``, so ``pixel_values`` and
-    ``image_sizes`` follow that row order (a pair's prompt images appear twice).
+    Unpacked (``segments`` None), each item is ``{"chosen": item, "rejected": item}``
+    (``loader.TrainDataset`` of a pair entry). Rows ``0..B-1`` are the chosen sequences of pairs
+    ``0..B-1``, rows ``B..2B-1`` the rejected sequences of the same pairs in the same order: exactly
+    what ``collator`` makes of the list ``[chosen_0, ..., chosen_{B-1}, rejected_0, ..., rejected_{B-1}]``,
+    so ``pixel_values`` and ``image_sizes`` follow that row order (a pair's prompt images appear twice).
+
+    Neat packing (``segments="samples"``): each item is a pack of whole pairs (chosen, rejected,
+    chosen, rejected, ...), one row each, every sequence its own attention segment (``cu_seqlens``).
+
+    Items that carry their cache samples (``"sample_index"``, ``loader.TrainDataset``) add
+    ``SAMPLE_INDEX``: one per row unpacked, one per sequence (in pack order) packed.
     """
 
     def __init__(self, collator: PixtralCollator):
-        if collator.segments is not None:
-            raise ValueError("preference pairs are not packed (segments must be None)")
+        if collator.segments == "rows":
+            raise ValueError(
+                "preference pairs are packed neatly (segments 'samples'), never with attention across a row"
+            )
         self.collator = collator
 
     def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
-        return self.collator([item["chosen"] for item in items] + [item["rejected"] for item in items])
+        if self.collator.segments == "samples":
+            out = self.collator(items)
+            if all("sample_index" in item for item in items):
+                indices = np.concatenate([np.asarray(item["sample_index"], dtype=np.int64) for item in items])
+                out[SAMPLE_INDEX] = torch.from_numpy(indices)
+            return out
+        rows = [item["chosen"] for item in items] + [item["rejected"] for item in items]
+        out = self.collator(rows)
+        if all("sample_index" in row for row in rows):
+            out[SAMPLE_INDEX] = torch.tensor([int(row["sample_index"]) for row in rows], dtype=torch.int64)
+        return out
 
 
 def pair_rows(batch: dict) -> int:
-    """B, the pairs in a micro-batch of preference pairs (``PairCollator``): its rows are ``2B``,
-    chosen rows ``[:B]``, rejected rows ``[B:]``."""
-    rows = int(batch["input_ids"].shape[0])
-    if rows % 2:
-        raise ValueError(f"a batch of preference pairs has an even number of rows, not {rows}")
-    return rows // 2
+    """B, the pairs in a micro-batch of preference pairs (``PairCollator``): unpacked, its rows are
+    ``2B``, chosen rows ``[:B]``, rejected rows ``[B:]``; neat packs hold ``2B`` sequences."""
+    if "cu_seqlens" in batch:
+        sequences = len(sequence_lengths(batch["attention_mask"], batch["cu_seqlens"]))
+    else:
+        sequences = int(batch["input_ids"].shape[0])
+    if sequences % 2:
+        raise ValueError(f"a batch of preference pairs has an even number of sequences, not {sequences}")
+    return sequences // 2
+
+
+def answer_counts(labels: torch.Tensor) -> torch.Tensor:
+    """Each row's target count (float, host): the answer's tokens and its end of sequence."""
+    return (labels[:, 1:] != IGNORE_INDEX).sum(dim=1).to(torch.float32)
+
+
+@dataclass(frozen=True)
+class PairLayout:
+    """Where a host micro-batch of pairs keeps its sequences (host tensors, no device work).
+
+    ``counts``: each sequence's target count (float), the chosen sequences of the ``pairs`` pairs
+    first, then their rejected ones in the same order. Unpacked, that is the row order. In neat
+    packs of whole pairs (``cu_seqlens``) the sequences come in pack order (chosen, rejected, chosen,
+    ...): ``sequence_ids`` ``[B, L - 1]`` names the sequence of every target (the model sums each
+    sequence's log-probabilities by it) and ``order`` puts the pack order chosen first.
+    """
+
+    pairs: int
+    counts: torch.Tensor
+    sequence_ids: torch.Tensor | None = None
+    order: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, mb: dict) -> PairLayout:
+        if "cu_seqlens" not in mb:
+            return cls(pair_rows(mb), answer_counts(mb["labels"]))
+        bounds = mb["cu_seqlens"].to(torch.int64)
+        rows, length = mb["input_ids"].shape
+        segment = torch.repeat_interleave(torch.arange(len(bounds) - 1), bounds[1:] - bounds[:-1]).view(
+            rows, length
+        )
+        real = torch.zeros(len(bounds) - 1, dtype=torch.bool)
+        real[segment[mb["attention_mask"].bool()]] = True  # padding segments hold no sequence
+        number = torch.where(real, torch.cumsum(real.to(torch.int64), 0) - 1, 0)
+        # The target at (r, c) is predicted by position c; a sequence's first label is never a target,
+        # so no target is predicted across a boundary.
+        sequence_ids = number[segment][:, :-1].contiguous()
+        sequences = int(real.sum())
+        if sequences % 2:
+            raise ValueError(f"a pack of pairs holds an even number of sequences, not {sequences}")
+        targets = mb["labels"][:, 1:] != IGNORE_INDEX
+        counts = torch.bincount(sequence_ids[targets], minlength=sequences).to(torch.float32)
+        order = torch.cat([torch.arange(0, sequences, 2), torch.arange(1, sequences, 2)])
+        if SAMPLE_INDEX in mb:
+            index = mb[SAMPLE_INDEX][order]
+            pairs = sequences // 2
+            if len(mb[SAMPLE_INDEX]) != sequences or not bool(
+                ((index[:pairs] % 2 == 0) & (index[pairs:] == index[:pairs] + 1)).all()
+            ):
+                raise ValueError("a pack of pairs holds each pair's chosen sequence, then its rejected one")
+        return cls(sequences // 2, counts[order], sequence_ids, order)
 
 
 def sequence_lengths(attention_mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> list[int]:

@@ -21,7 +21,9 @@ what it was (the same sampler length, samples and order).
 Preference pairs (``training.stage: dpo``, a pair cache entry): the split, the samplers and the
 validation share count pairs, and a micro-batch of ``B = training.micro_batch_size`` pairs is an
 ordinary unpacked SFT batch of ``2B`` rows, the chosen sequences of the B pairs first, then their
-rejected sequences in the same order (``collator.PairCollator``; ``collator.pair_rows``).
+rejected sequences in the same order (``collator.PairCollator``; ``collator.pair_rows``). With
+``neat_packing`` the training loader packs whole pairs instead (up to ``2 x cutoff_len`` tokens a
+pack, ``micro_batch_size`` packs a micro-batch); validation stays unpacked.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from magistral_cli.errors import PATH_ERRNOS, UserError
 
 from .cache import EncodedDataset
 from .collator import COLLATORS, IGNORE_INDEX, PairCollator, PixtralCollator
-from .packing import plan_packs, segment_mode
+from .packing import packing_units, plan_packs, segment_mode
 from .pixtral import ImageChangedError, ImageSettings, ImageSizeError, load_pixel_values
 from .samplers import SAMPLER_TYPES, build_sampler
 
@@ -129,8 +131,10 @@ class TrainDataset:
     ``indices[i]`` (the training samples of a validation split); neither: item ``i`` is sample ``i``.
 
     In a pair entry (``encoded.pairs``) indices count pairs, and item ``i`` is
-    ``{"chosen": item, "rejected": item}`` of pair ``i`` (or ``indices[i]``), each such a dict
-    (``collator.PairCollator`` batches them); there are no packs.
+    ``{"chosen": item, "rejected": item}`` of pair ``i`` (or ``indices[i]``), each such a dict with
+    its ``sample_index`` in the entry (``collator.PairCollator`` batches them). Packs of pairs
+    (neat_packing) hold whole pairs, ``[2k, 2k + 1, 2j, 2j + 1, ...]``; their item adds
+    ``sample_index``, the entry's index of each sample in the pack.
     """
 
     def __init__(
@@ -141,7 +145,11 @@ class TrainDataset:
         indices: list[int] | None = None,
     ):
         if packs is not None and encoded.pairs:
-            raise ValueError("preference pairs are not packed")
+            for pack in packs:
+                if pack[0::2] != [2 * (i // 2) for i in pack[0::2]] or pack[1::2] != [
+                    i + 1 for i in pack[0::2]
+                ]:
+                    raise ValueError(f"a pack of pairs holds whole pairs (2k, 2k + 1, ...), not {pack}")
         self.encoded = encoded
         self.settings = settings
         self.packs = packs
@@ -154,10 +162,15 @@ class TrainDataset:
 
     def __getitem__(self, index: int) -> dict:
         if self.packs is not None:
-            return self._item(self.packs[index])
+            item = self._item(self.packs[index])
+            if self.encoded.pairs:
+                item["sample_index"] = np.asarray(self.packs[index], dtype=np.int64)
+            return item
         unit = self.indices[index] if self.indices is not None else index
         if self.encoded.pairs:
-            return {"chosen": self._item([2 * unit]), "rejected": self._item([2 * unit + 1])}
+            chosen, rejected = self._item([2 * unit]), self._item([2 * unit + 1])
+            chosen["sample_index"], rejected["sample_index"] = 2 * unit, 2 * unit + 1
+            return {"chosen": chosen, "rejected": rejected}
         return self._item([unit])
 
     def _item(self, members: list[int]) -> dict:
@@ -235,21 +248,24 @@ def _collator(recipe, dataset: EncodedDataset, segments: str | None = None):
 
 def build_train_dataset(recipe, dataset: EncodedDataset) -> TrainDataset:
     """The map-style dataset the loader reads: samples, or packs of them with ``packing: true``;
-    the training samples only when the recipe has a validation split (``val_size``)."""
+    the training samples only when the recipe has a validation split (``val_size``). Pairs are
+    packed whole (neat_packing), up to ``2 x cutoff_len`` tokens a pack."""
     from .pipeline import image_settings_of
 
     basic = recipe.data.dataset_param.basic_parameters
     _check_stage(recipe, dataset)
     split = dataset_split(recipe, dataset)
     packing = basic.packing or basic.neat_packing
-    if split is None:
-        packs = plan_packs(dataset.lengths, basic.cutoff_len) if packing else None
-        return TrainDataset(dataset, image_settings_of(dataset), packs)
-    train = split[0]
+    train = split[0] if split is not None else None
     if not packing:
         return TrainDataset(dataset, image_settings_of(dataset), indices=train)
-    planned = plan_packs(np.asarray(dataset.lengths)[train], basic.cutoff_len)
-    packs = [[train[position] for position in pack] for pack in planned]
+    units = list(range(dataset.num_units)) if train is None else train
+    # A pack of a pair entry holds whole pairs: a pair's two sequences, up to cutoff_len each.
+    lengths, capacity = packing_units(dataset.lengths, basic.cutoff_len, pairs=dataset.pairs)
+    planned = plan_packs(lengths[units], capacity)
+    packs = [[units[position] for position in pack] for pack in planned]
+    if dataset.pairs:
+        packs = [[sample for pair in pack for sample in (2 * pair, 2 * pair + 1)] for pack in packs]
     return TrainDataset(dataset, image_settings_of(dataset), packs)
 
 
@@ -455,4 +471,24 @@ def build_val_batches(recipe, dataset: EncodedDataset, *, dp_rank: int, dp_size:
         dp_size=dp_size,
         num_workers=dl.num_workers,
         pin_memory=dl.pin_memory and (torch.cuda.is_available() or hasattr(torch, "npu")),
+    )
+
+
+def build_all_pairs_batches(recipe, dataset: EncodedDataset, *, dp_rank: int, dp_size: int) -> ValBatches:
+    """Rank ``dp_rank``'s share of every pair of a pair entry (training and validation pairs alike),
+    in micro-batches of ``training.micro_batch_size`` pairs as training collates them (``SAMPLE_INDEX``
+    included), the same count on every rank (fillers without targets, see ``ValBatches``): the one
+    pass that precomputes the reference's log-probabilities (``training.dpo.precompute_ref``)."""
+    from .pipeline import image_settings_of
+
+    _check_loader_options(recipe)
+    _check_stage(recipe, dataset)
+    return ValBatches.over(
+        TrainDataset(dataset, image_settings_of(dataset)),
+        range(dataset.num_units),
+        _collator(recipe, dataset),
+        micro_batch_size=recipe.training.micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        num_workers=recipe.data.dataloader_param.num_workers,
     )

@@ -9,7 +9,8 @@ Two modes, the same on every device (``segment_mode``; the attention is ``ops.pa
 
 - ``packing: true``: attention is causal across the samples of a pack, as the seed documents;
 - ``neat_packing: true`` (which turns ``packing`` on): each sample attends to its own tokens only,
-  so a pack trains exactly like its samples one by one.
+  so a pack trains exactly like its samples one by one. Under ``training.stage: dpo`` only this mode
+  is allowed, and a pack holds whole pairs (``loader.build_train_dataset``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,15 @@ def segment_mode(recipe) -> str | None:
     if not (basic.packing or basic.neat_packing) or recipe.parallel.cp_size > 1:
         return None
     return "samples" if basic.neat_packing else "rows"
+
+
+def packing_units(sample_lengths, cutoff_len: int, *, pairs: bool) -> tuple[np.ndarray, int]:
+    """(the lengths of what is packed, a pack's capacity): samples up to ``cutoff_len``, or in a pair
+    entry whole pairs (sample 2k with 2k + 1) up to ``2 x cutoff_len``, each sequence up to ``cutoff_len``."""
+    lengths = np.asarray(sample_lengths, dtype=np.int64)
+    if not pairs:
+        return lengths, int(cutoff_len)
+    return lengths[0::2] + lengths[1::2], 2 * int(cutoff_len)
 
 
 def plan_packs(lengths: np.ndarray, capacity: int) -> list[list[int]]:

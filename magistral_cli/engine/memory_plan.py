@@ -16,7 +16,9 @@ Persistent, on the device (per rank, the largest rank: FSDP2 gives every rank
 - **parameter shards**: fp32 master weights (``build_model`` builds in fp32), frozen ones included:
   ``4 x sum ceil(dim0 / W) x rest``.
 - **reference model shards** (``training.stage: dpo`` with a reference model beside the policy):
-  every base parameter's shard in ``p`` bytes; none for the LoRA base (adapters off), orpo, simpo.
+  every base parameter's shard in ``p`` bytes; none for the LoRA base (adapters off), orpo, simpo, or
+  with ``training.dpo.precompute_ref`` (the pass before training holds it while no gradient, optimizer
+  state or activation for the backward exists yet; training holds none).
 - **gradient shards**: FSDP2 reduce-scatters into one flat buffer per unit in the parameters'
   dtype (fp32), trainable parameters only: ``4 x trainable shard``.
 - **optimizer states**: AdamW's ``exp_avg`` and ``exp_avg_sq``, fp32: ``8 x trainable shard``.
@@ -215,7 +217,7 @@ class PlanSettings:
     #: Sequences per sample: 2 under ``training.stage: dpo`` (a pair's chosen and rejected rows).
     sequences_per_sample: int = 1
     #: Preference training's reference: "model" (a frozen copy held beside the policy), "adapters off"
-    #: (the LoRA base itself), or None (none: sft, orpo, simpo).
+    #: (the LoRA base itself), "precomputed" (stored log-probabilities), or None (none: sft, orpo, simpo).
     reference: str | None = None
     cutoff_len: int = 2048
     gradient_accumulation_steps: int = 1
@@ -646,6 +648,8 @@ def plan_notes(shape: ModelShape, s: PlanSettings) -> list[str]:
         where = {
             "model": "a frozen reference model is held beside the policy (its forward runs under no_grad first)",
             "adapters off": "the reference is the LoRA base with its adapters off: no second model",
+            "precomputed": "the reference's log-probabilities are computed once before training and stored "
+            "beside the cache (training.dpo.precompute_ref): no reference while training",
             None: "the loss uses no reference model",
         }[s.reference]
         notes.append(f"training.stage: dpo: each pair is 2 sequences of up to cutoff_len tokens; {where}")

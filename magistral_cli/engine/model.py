@@ -46,6 +46,8 @@ class LossHead(nn.Linear):
         labels: torch.Tensor | None = None,
         token_weights: torch.Tensor | None = None,
         logps: bool = False,
+        sequence_ids: torch.Tensor | None = None,
+        num_sequences: int | None = None,
     ) -> torch.Tensor:
         if labels is None:
             return super().forward(hidden)
@@ -53,8 +55,13 @@ class LossHead(nn.Linear):
             raise ValueError("the chunked loss head does not support a bias")
         if logps:
             # Preference training: each row's summed target log-probabilities, chunked the same way
-            # (a new tensor, not a view: FSDP2 hooks the module's output for the backward).
-            return token_logps(hidden, self.weight, labels, self.chunk_size).sum(dim=-1)
+            # (a new tensor, not a view: FSDP2 hooks the module's output for the backward); in a neat
+            # pack each sequence's (``sequence_ids``: the sequence of every target, of ``num_sequences``).
+            tokens = token_logps(hidden, self.weight, labels, self.chunk_size)
+            if sequence_ids is None:
+                return tokens.sum(dim=-1)
+            out = torch.zeros(num_sequences, dtype=tokens.dtype, device=tokens.device)
+            return out.index_add(0, sequence_ids.reshape(-1), tokens.reshape(-1))
         return cross_entropy_sum(hidden, self.weight, labels, self.chunk_size, token_weights)
 
 
@@ -99,9 +106,13 @@ class Mistral3ForTraining(Mistral3ForConditionalGeneration):
         max_seqlen: int | None = None,
         seq_ends: tuple[int, ...] | None = None,
         sequence_logps: bool = False,
+        sequence_ids: torch.Tensor | None = None,
+        num_sequences: int | None = None,
     ) -> torch.Tensor:
         """The (weighted) sum of the token losses; with ``sequence_logps`` each row's summed target
-        log-probabilities ``[B]`` instead (preference training: one sequence per row, unpacked).
+        log-probabilities ``[B]`` instead (preference training), or in a neat pack each sequence's
+        ``[num_sequences]``: ``sequence_ids`` ``[B, L - 1]`` names the sequence of every target
+        (``data.collator.PairLayout``).
 
         ``sample_weights`` ``[B]`` weighs every token of a row, ``[B, L - 1]`` every target.
         ``cu_seqlens`` / ``max_seqlen`` / ``seq_ends`` (``ops.packed_attention.packed_inputs``)
@@ -145,9 +156,13 @@ class Mistral3ForTraining(Mistral3ForConditionalGeneration):
         # Position i predicts token i + 1: labels arrive aligned with input_ids, unshifted.
         targets = labels[:, 1:]
         if sequence_logps:
-            if cu_seqlens is not None or sample_weights is not None:
-                raise ValueError("sequence_logps needs an unpacked, unweighted batch (one sequence per row)")
-            return self.lm_head(hidden[:, :-1], targets, logps=True)
+            if sample_weights is not None or (cu_seqlens is not None) != (sequence_ids is not None):
+                raise ValueError(
+                    "sequence_logps needs an unweighted batch, and sequence_ids exactly when it is packed"
+                )
+            return self.lm_head(
+                hidden[:, :-1], targets, logps=True, sequence_ids=sequence_ids, num_sequences=num_sequences
+            )
         weights = None
         if sample_weights is not None:
             weights = sample_weights.to(torch.float32)

@@ -6,10 +6,13 @@ The trainer keeps everything else (build, FSDP2, optimizer, checkpoints, resume,
 - a micro-batch holds ``B`` pairs as ``2B`` rows, the chosen sequences first, then the rejected
   ones of the same pairs in the same order (``data``'s pair collation); the policy scores both in
   one forward (``Mistral3ForTraining(..., sequence_logps=True)``: each row's summed target
-  log-probabilities, chunked like the SFT loss);
+  log-probabilities, chunked like the SFT loss); with neat packing a micro-batch is packs of whole
+  pairs instead, each sequence its own segment, summed per segment (``data.collator.PairLayout``);
 - the reference scores the same rows under ``no_grad``: the policy itself with its LoRA adapters
   switched off (LoRA, ``ref_model: null``), or a frozen second model in the same FSDP2 layout
-  (``reference_model``); orpo and simpo use none;
+  (``reference_model``); orpo and simpo use none. With ``training.dpo.precompute_ref`` the
+  reference's row sums were computed once before training (``engine.reference_logps``) and are
+  looked up by each row's cache sample (``data.collator.SAMPLE_INDEX``): no reference in memory;
 - the step's loss is the mean of the per-pair losses over every pair of the step (all micro-batches
   and data-parallel ranks): each micro-batch's backward is scaled by ``dp / global pairs``, and
   FSDP2's average over dp takes the ``dp`` back out, so the gradient does not depend on how the
@@ -29,9 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from magistral_cli.data.collator import pair_rows
+from magistral_cli.data.collator import SAMPLE_INDEX, PairLayout
 from magistral_cli.errors import UserError
-from magistral_cli.ops.chunked_loss import IGNORE_INDEX
 from magistral_cli.ops.preference_loss import METRIC_NAMES, PreferenceLoss
 from magistral_cli.runtime import host_to_device
 
@@ -53,11 +55,6 @@ def preference_loss(recipe) -> PreferenceLoss:
     )
 
 
-def answer_counts(labels: torch.Tensor) -> torch.Tensor:
-    """Each row's target count (float, host): the answer's tokens and its end of sequence."""
-    return (labels[:, 1:] != IGNORE_INDEX).sum(dim=1).to(torch.float32)
-
-
 @contextlib.contextmanager
 def adapters_off(model: nn.Module) -> Iterator[None]:
     """Run ``model`` as its base: every PEFT LoRA layer's adapters switched off (no parameter or
@@ -75,9 +72,10 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
             m._disable_adapters = state
 
 
-def reference_kind(recipe) -> str | None:
-    """What serves as the reference: "model" (a frozen second model), "adapters off" (the LoRA
-    policy's base: LoRA with no ``ref_model``) or None (sft, or a loss without one: orpo, simpo)."""
+def reference_model_kind(recipe) -> str | None:
+    """What computes the reference's log-probabilities (while training, or in the precompute pass):
+    "model" (a frozen second model), "adapters off" (the LoRA policy's base: LoRA with no
+    ``ref_model``) or None (sft, or a loss without one: orpo, simpo)."""
     train = recipe.training
     if train.stage != "dpo" or not train.dpo.needs_reference:
         return None
@@ -86,12 +84,21 @@ def reference_kind(recipe) -> str | None:
     return "model"
 
 
+def reference_kind(recipe) -> str | None:
+    """What serves as the reference while training: ``reference_model_kind``, or "precomputed"
+    (``training.dpo.precompute_ref``: stored log-probabilities, no reference in memory)."""
+    kind = reference_model_kind(recipe)
+    if kind is not None and recipe.training.dpo.precompute_ref:
+        return "precomputed"
+    return kind
+
+
 def reference_source(recipe) -> str | None:
-    """Where a separate reference model's weights come from (None: ``reference_kind`` is not "model").
+    """Where a separate reference model's weights come from (None: ``reference_model_kind`` is not "model").
 
     ``ref_model`` when set; else (without LoRA) the starting weights, ``training.load``.
     """
-    if reference_kind(recipe) != "model":
+    if reference_model_kind(recipe) != "model":
         return None
     dpo = recipe.training.dpo
     if dpo.ref_model is not None:
@@ -104,32 +111,69 @@ def reference_source(recipe) -> str | None:
     return recipe.training.load
 
 
+def model_inputs(mb: dict, device: torch.device) -> dict:
+    """A host micro-batch of pairs as the model's inputs on ``device`` (its ``SAMPLE_INDEX`` left out)."""
+    return to_device({k: v for k, v in mb.items() if k != SAMPLE_INDEX}, device)
+
+
 class PreferenceStep:
-    """``forward_backward`` of a ``stage: dpo`` trainer (the trainer's model, groups and counts)."""
+    """``forward_backward`` of a ``stage: dpo`` trainer (the trainer's model, groups and counts).
+
+    ``reference``: the frozen reference model, or None; ``stored``: the precomputed reference row
+    sums of every sample of the cache entry (host fp32, ``engine.reference_logps``), or None.
+    """
 
     def __init__(self, trainer, reference: nn.Module | None):
         self.trainer = trainer
         self.loss = preference_loss(trainer.recipe)
         self.reference = reference
-        self.uses_adapters_off = self.loss.needs_reference and reference is None
+        #: ``training.dpo.precompute_ref``: the trainer sets ``stored`` before the first step.
+        self.precomputed = reference_kind(trainer.recipe) == "precomputed"
+        self.stored: torch.Tensor | None = None
+        self.uses_adapters_off = self.loss.needs_reference and reference is None and not self.precomputed
         if self.uses_adapters_off and trainer.lora is None:
             raise ValueError("a reference-model loss without LoRA needs a reference model")
 
-    def reference_logps(self, batch: dict) -> torch.Tensor | None:
-        """Each row's summed target log-probabilities under the reference (None: the loss uses none)."""
+    @property
+    def live_reference(self) -> bool:
+        """Whether each step runs a reference forward (not with precomputed log-probabilities)."""
+        return self.loss.needs_reference and not self.precomputed
+
+    def reference_logps(self, batch: dict, mb: dict | None = None) -> torch.Tensor | None:
+        """Each row's summed target log-probabilities under the reference (None: the loss uses none).
+
+        ``batch`` is the device micro-batch; ``mb`` the host one, whose ``SAMPLE_INDEX`` finds the
+        precomputed sums (needed then).
+        """
         if not self.loss.needs_reference:
             return None
+        if self.precomputed:
+            if self.stored is None or mb is None or SAMPLE_INDEX not in mb:
+                raise ValueError(
+                    "precomputed reference log-probabilities need stored sums and a sample_index"
+                )
+            return host_to_device(self.stored[mb[SAMPLE_INDEX]], self.trainer.device)
         with torch.no_grad():
             if self.reference is not None:
                 return self.reference(**batch, sequence_logps=True)
             with adapters_off(self.trainer.model):
                 return self.trainer.model(**batch, sequence_logps=True)
 
-    def scored(self, batch: dict, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(per-pair losses, per-pair metrics) of one device micro-batch; ``counts`` its rows' target counts."""
-        ref = self.reference_logps(batch)
+    def scored(self, mb: dict, layout: PairLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-pair losses, per-pair metrics) of one host micro-batch (its ``PairLayout``)."""
+        device = self.trainer.device
+        batch = model_inputs(mb, device)
+        if layout.sequence_ids is not None:
+            batch["sequence_ids"] = host_to_device(layout.sequence_ids, device)
+            batch["num_sequences"] = len(layout.counts)
+        ref = self.reference_logps(batch, mb)
         logps = self.trainer.model(**batch, sequence_logps=True)
-        pairs = logps.shape[0] // 2
+        if layout.order is not None:  # pack order -> chosen first
+            order = host_to_device(layout.order, device)
+            logps = logps[order]
+            ref = None if ref is None else ref[order]
+        counts = host_to_device(layout.counts, device)
+        pairs = layout.pairs
         return self.loss(
             logps[:pairs],
             logps[pairs:],
@@ -148,15 +192,15 @@ class PreferenceStep:
         """
         t = self.trainer
         local = torch.zeros(4, dtype=torch.int64)  # targets, tokens, model FLOPs (FLOP_UNITs), pairs
-        row_counts = []
+        layouts = []
         for mb in micro_batches:
             check_micro_batch(mb, t.model_config, context_parallel=False)
-            local[3] += pair_rows(mb)
-            row_counts.append(answer_counts(mb["labels"]))
-            local[0] += int(row_counts[-1].sum())
+            layouts.append(PairLayout.of(mb))
+            local[3] += layouts[-1].pairs
+            local[0] += int(layouts[-1].counts.sum())
             local[1] += mb["attention_mask"].sum()
             flops = micro_batch_flops(t.model_config, mb)
-            if self.loss.needs_reference:
+            if self.live_reference:
                 flops += flops // 3  # the reference's forward: a third of a training step's FLOPs
             local[2] += flops // FLOP_UNIT
         counts = host_to_device(local, t.device)
@@ -167,8 +211,7 @@ class PreferenceStep:
         defer = t.recipe.parallel.fsdp_plan.defer_grad_sync
         for i, mb in enumerate(micro_batches):
             t.model.set_requires_gradient_sync(i == last or not defer)
-            batch = to_device(mb, t.device)
-            losses, metrics = self.scored(batch, row_counts[i].to(t.device))
+            losses, metrics = self.scored(mb, layouts[i])
             if scale is None:
                 pending.wait()
                 # The mean over the step's pairs on every rank: FSDP2 averages the gradients over dp.
@@ -200,11 +243,11 @@ def evaluate_pairs(step_obj: PreferenceStep, val_data, *, step: int) -> dict | N
     sums = torch.zeros(2 + len(METRIC_NAMES), dtype=torch.float32, device=t.device)  # pairs, loss, metrics
     with evaluating(t.model, t.device_type):
         for mb in val_data:
-            counts = answer_counts(mb["labels"])
-            losses, metrics = step_obj.scored(to_device(mb, t.device), counts.to(t.device))
-            if not int(counts.sum()):
+            layout = PairLayout.of(mb)
+            losses, metrics = step_obj.scored(mb, layout)
+            if not int(layout.counts.sum()):
                 continue  # a filler: the forwards ran for FSDP's collectives, nothing to count
-            sums[0] += pair_rows(mb)
+            sums[0] += layout.pairs
             sums[1] += losses.sum()
             sums[2:] += metrics.sum(dim=0)
     dist.all_reduce(sums, group=t.dp_group)

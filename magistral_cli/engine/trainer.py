@@ -37,7 +37,7 @@ from .model import (
 from .nonfinite import NonFiniteSteps
 from .optim import build_optimizer, clip_grads_, grad_norm_and_sums, lr_at
 from .parallelize import ParallelDims, parallelize_model, skip_blank_vision_forward
-from .preference import PreferenceStep, evaluate_pairs, metrics_of, reference_source
+from .preference import PreferenceStep, evaluate_pairs, metrics_of, reference_kind, reference_source
 from .profiling import MemoryProfiler, StepProfiler
 from .qlora import quantize_from_recipe
 from .resume import CheckpointManager
@@ -102,10 +102,12 @@ class Trainer:
             gc.disable()
 
         self.model = self._build_model()
-        # training.stage: dpo: the pair step, with its reference model (None: adapters off, or no reference).
+        # training.stage: dpo: the pair step, with its reference model (None: adapters off, no reference,
+        # or precomputed log-probabilities, which the pass below provides).
         self.preference = None
         if training.stage == "dpo":
-            self.preference = PreferenceStep(self, self._build_reference())
+            live = reference_kind(recipe) == "model"
+            self.preference = PreferenceStep(self, self._build_reference() if live else None)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         if self.rank == 0:
             log_parameter_counts(self.model, self.lora)
@@ -148,6 +150,11 @@ class Trainer:
         )
         self.step = self.checkpoints.load_initial_state()
         self.nonfinite.last_applied = self.step
+        if self.preference is not None and self.preference.precomputed:
+            # After the weights (a LoRA base is the loaded policy's): stored, or one pass, then no reference.
+            from .reference_logps import stored_reference_logps
+
+            self.preference.stored = stored_reference_logps(self)
         self._data_iter = iter(self.data)
 
         if training.freeze_gc_after_init:

@@ -323,15 +323,29 @@ def padding_section(recipe: Recipe, world_size: int, dataset=None, *, hint: str 
                 "sample lengths",
                 estimate_padding(basic.cutoff_len, rows_per_micro_batch, lengths=dataset.lengths),
             )
+        # Rows a micro-batch holds in each mode: under dpo, packing packs whole pairs (up to
+        # 2 x cutoff_len tokens, micro_batch_size packs), planned from the pairs' own lengths.
+        rows_of = {"none": rows_per_micro_batch, "packing": rows_per_micro_batch}
+        if per_sample == 2:
+            from magistral_cli.data.packing import packing_units
+
+            pair_lengths, capacity = packing_units(dataset.lengths, basic.cutoff_len, pairs=True)
+            mbs = recipe.training.micro_batch_size
+            estimates = {
+                **estimates,
+                "packing": estimate_padding(capacity, mbs, lengths=pair_lengths)["packing"],
+            }
+            rows_of["packing"] = mbs
     except (UserError, OSError, ValueError, KeyError) as exc:
         out["note"] = f"no padding estimate: {exc}"
         return out
     dp = max(1, world_size // recipe.parallel.cp_size)
-    per_step = rows_per_micro_batch * dp * recipe.training.gradient_accumulation_steps
     modes = {}
     for name, e in estimates.items():
+        per_step = rows_of[name] * dp * recipe.training.gradient_accumulation_steps
         modes[name] = {
             "rows": e.rows,
+            "rows_per_micro_batch": rows_of[name],
             "micro_batches_per_epoch": e.micro_batches,
             "steps_per_epoch": e.rows // per_step,
             "real_fraction": None if e.real_fraction is None else round(e.real_fraction, 4),
@@ -351,9 +365,13 @@ def padding_section(recipe: Recipe, world_size: int, dataset=None, *, hint: str 
     if basic.val_size:
         notes.append("over every kept sample: the val_size split is not taken out")
     if per_sample == 2:
+        from magistral_cli.data.packing import packing_units
+
+        pair_capacity = packing_units([], basic.cutoff_len, pairs=True)[1]
         notes.append(
             "stage dpo: sequences, 2 per pair (a micro-batch of "
-            f"{recipe.training.micro_batch_size} pairs is {rows_per_micro_batch} rows), drawn as if independent"
+            f"{recipe.training.micro_batch_size} pairs is {rows_per_micro_batch} rows), drawn as if independent; "
+            f"packing packs whole pairs, up to {pair_capacity} tokens a pack"
         )
     out["note"] = "; ".join(notes) or None
     return out

@@ -12,7 +12,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from magistral_cli.config.schema import DatasetAttr
-from magistral_cli.data.collator import PixtralCollator, pair_rows
+from magistral_cli.data.collator import SAMPLE_INDEX, PixtralCollator, pair_rows
 from magistral_cli.data.encoder import EncodedPair, EncodedSample, EncodeParams, Encoder
 from magistral_cli.data.loader import (
     build_train_dataloader,
@@ -260,8 +260,10 @@ def test_loader_yields_chosen_rows_then_rejected_rows_and_resumes(encoded_pairs)
         # exactly what the SFT collator makes of the 2B samples as a list (images in row order too)
         items = [train._item([2 * k]) for k in pairs] + [train._item([2 * k + 1]) for k in pairs]
         want = sft_collate(items)
-        assert batch.keys() == want.keys() and "image_sizes" in batch
+        assert batch.keys() == want.keys() | {SAMPLE_INDEX} and "image_sizes" in batch
         assert all(torch.equal(batch[key], want[key]) for key in want)
+        # each row's sample in the cache entry: pair k is samples 2k (chosen) and 2k + 1 (rejected)
+        assert batch[SAMPLE_INDEX].tolist() == [2 * k for k in pairs] + [2 * k + 1 for k in pairs]
         seen += pairs
     assert sorted(seen) == list(range(N_PAIRS))
 

@@ -188,3 +188,39 @@ def mounted_tmpfs(disk: Path, *options: str):
         yield disk
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+#: The tiny DPO recipe (2 processes, a frozen copy of the starting weights as the reference).
+DPO_RECIPE = REPO / "recipes" / "tiny" / "tiny_cpu_dpo.yaml"
+
+
+def write_pair_assets(root: Path, pairs: int = 12) -> Path:
+    """The quickstart's tiny model (with its tokenizer) in ``root/quickstart/model`` and ``pairs``
+    preference pairs with small images in ``root/pairs``, for short runs of ``DPO_RECIPE``."""
+    from magistral_cli.quickstart import write_assets
+    from magistral_cli.testing.tiny_data import write_synthetic_pair_dataset
+
+    write_assets(root / "quickstart", 16)
+    write_synthetic_pair_dataset(root / "pairs", pairs, seed=1, image_sizes=[(56, 56), (28, 56)])
+    return root
+
+
+def pair_overrides(root: Path) -> list[str]:
+    """``DPO_RECIPE`` on ``write_pair_assets(root)``: its cache in ``root/cache``, 2 validation pairs,
+    cutoff_len 256, one pair per micro-batch, 3 steps, a checkpoint at step 2 and an evaluation at 3."""
+    model, basic = root / "quickstart" / "model", "data.dataset_param.basic_parameters"
+    return [
+        f"model.model_name_or_path={model}",
+        f"training.load={model}",
+        f"data.dataset_param.preprocess_parameters.model_name_or_path={model}",
+        f"{basic}.dataset={root / 'pairs' / 'data.jsonl'}",
+        f"{basic}.dataset_dir={root / 'pairs'}",
+        f"{basic}.cache_dir={root / 'cache'}",
+        f"{basic}.val_size=2",
+        f"{basic}.cutoff_len=256",
+        "training.micro_batch_size=1",
+        "training.train_iters=3",
+        "training.eval_interval=3",
+        "training.save_interval=2",
+        "training.resume=auto",
+    ]

@@ -233,10 +233,22 @@ def test_recipe_rules(models, tmp_path):
         dpo_recipe(
             policy_dir, tmp_path / "a", ["training.dpo.loss=simpo", f"training.dpo.ref_model={policy_dir}"]
         )
-    with pytest.raises(UserError, match="packing"):
+    # Plain packing would let a pack's chosen and rejected answers attend to each other; neat packing is allowed.
+    with pytest.raises(
+        UserError, match="mixing a pair's chosen and rejected answers; set data.dataset_param"
+    ):
         dpo_recipe(policy_dir, tmp_path / "b", ["data.dataset_param.basic_parameters.packing=true"])
+    dpo_recipe(policy_dir, tmp_path / "b", ["data.dataset_param.basic_parameters.neat_packing=true"])
     with pytest.raises(UserError, match="loss_type"):
         make_recipe(policy_dir, tmp_path / "c", ["training.stage=dpo"])
+    with pytest.raises(
+        UserError, match="precompute_ref stores the reference model's log-probabilities, but loss"
+    ):
+        dpo_recipe(policy_dir, tmp_path / "e", ["training.dpo.loss=orpo", "training.dpo.precompute_ref=true"])
+    with pytest.raises(
+        UserError, match="synthetic data has no cache; set training.dpo.precompute_ref: false"
+    ):
+        dpo_recipe(policy_dir, tmp_path / "f", ["training.dpo.precompute_ref=true"])
     with pytest.raises(UserError, match="modules_to_save"):
         dpo_recipe(
             policy_dir,

@@ -59,6 +59,12 @@ def test_dpo_24b_on_8_devices_counts_the_reference_and_both_sequences(real_model
     assert items["activations"] == 2 * sft_items["activations"]
     assert plan.device_peak > sft.device_peak + items["reference_shards"]
     assert any("a frozen reference model is held beside the policy" in n for n in plan.notes)
+    # Precomputed log-probabilities: no reference while training.
+    pre = _plan(DPO_8CARD, real_model_dir, 8, "training.dpo.precompute_ref=true")
+    pre_items = {i.key: i.bytes for i in pre.items}
+    assert "reference_shards" not in pre_items and pre_items["activations"] == items["activations"]
+    assert pre.device_peak == plan.device_peak - items["reference_shards"]
+    assert any("training.dpo.precompute_ref" in n for n in pre.notes)
     # orpo and simpo need no reference.
     orpo = _plan(DPO_8CARD, real_model_dir, 8, "training.dpo.loss=orpo")
     assert "reference_shards" not in {i.key for i in orpo.items}

@@ -4,9 +4,9 @@ The quickstart's assets (the tiny model and 64 preference pairs with images in L
 ranking layout) are preprocessed into pairs, the LoRA recipe trains 12 steps (its rewards rise on
 the training pairs and are logged for the validation pairs), its adapters export as PEFT files that
 peft loads on the base, and `generate` answers with the run. The full recipe trains against a frozen
-copy of its starting weights, which its dry run counts. That the numbers are right is proven in
-tests/engine/test_preference.py (against transformers' forward) and the exact resume in
-tests/engine/test_preference_distributed.py.
+copy of its starting weights, which its dry run counts, with its pairs neatly packed. That the numbers
+are right is proven in tests/engine/test_preference.py (against transformers' forward), the exact resume
+in tests/engine/test_preference_distributed.py, packing in tests/engine/test_preference_packing.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ import torch
 from typer.testing import CliRunner
 
 from magistral_cli.cli.main import app
+from magistral_cli.config import load_recipe
+from magistral_cli.data.loader import build_train_dataset, prepare_dataset
 from magistral_cli.metric_names import PREFERENCE_METRICS
+from magistral_cli.ops.packed_attention import packed_attention_name
 from magistral_cli.quickstart import write_assets
 from tests.engine.helpers import REPO, run_train
 
@@ -58,6 +61,21 @@ def test_tiny_dpo_recipes_train_log_rewards_and_export(tmp_path):
     assert plan.exit_code == 0, plan.output
     items = json.loads(plan.stdout)["memory_plan"]["memory"]["items"]
     assert items["reference_shards"] > 0
+    # The padding estimate: 2 rows a pair unpacked; packed, packs of whole pairs, exactly the packs the
+    # training loader builds (over every pair: no validation split) and every token in them.
+    modes = json.loads(plan.stdout)["padding"]["estimate"]["modes"]
+    assert (modes["none"]["rows_per_micro_batch"], modes["packing"]["rows_per_micro_batch"]) == (4, 2)
+    basic = "data.dataset_param.basic_parameters"
+    neat = load_recipe(
+        full_recipe,
+        [*common, f"{basic}.neat_packing=true", f"{basic}.val_size=0", "training.eval_interval=null"],
+    )
+    dataset = prepare_dataset(neat)
+    packs = build_train_dataset(neat, dataset)
+    assert modes["packing"]["rows"] == len(packs) and len(packs) < 64
+    assert modes["packing"]["real_tokens_per_micro_batch"] == pytest.approx(
+        2 * int(sum(dataset.lengths)) / len(packs), abs=0.1
+    )
     lora_plan = runner.invoke(app, ["train", str(lora_recipe), *common, "--dry-run", "--json"])
     assert "reference_shards" not in json.loads(lora_plan.stdout)["memory_plan"]["memory"]["items"]
 
@@ -108,9 +126,16 @@ def test_tiny_dpo_recipes_train_log_rewards_and_export(tmp_path):
     )
     assert answer.exit_code == 0, answer.output
 
+    # The full recipe neatly packed: packs of whole pairs (tests/engine/test_preference_packing.py proves
+    # a pack equal to its pairs unpacked).
     full_run = tmp_path / "full"
-    done = run_train(full_recipe, full_run, *common, "training.train_iters=3", "training.save_interval=0")
+    neat = "data.dataset_param.basic_parameters.neat_packing=true"
+    done = run_train(
+        full_recipe, full_run, *common, "training.train_iters=3", "training.save_interval=0", neat
+    )
     assert done.returncode == 0, done.stderr[-3000:]
+    resolved = json.loads((full_run / "run_identity.json").read_text())["resolved"]
+    assert resolved["attn_implementation"] == packed_attention_name("sdpa")
     assert "reference model:" in done.stderr
     records = _records(full_run)
     assert [r["step"] for r in records if "split" not in r] == [1, 2, 3]
