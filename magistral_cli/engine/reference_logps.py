@@ -186,6 +186,8 @@ def compute_reference_logps(trainer, dataset) -> torch.Tensor:
         trainer.recipe, dataset, dp_rank=trainer.dp_rank, dp_size=trainer.dims.dp
     )
     reference = trainer._build_reference() if reference_model_kind(trainer.recipe) == "model" else None
+    if reference is not None:
+        trainer.skip_blank_vision_forward(reference)
     model = reference if reference is not None else trainer.model
     values = torch.zeros(len(dataset), dtype=torch.float32)
     seen = torch.zeros(len(dataset), dtype=torch.float32)

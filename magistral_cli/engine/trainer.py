@@ -127,15 +127,9 @@ class Trainer:
             dp_size=self.dims.dp,
             vocab_size=self.model.config.text_config.vocab_size,
         )
-        # Text-only micro-batches skip the frozen vision tower's blank forward where no rank needs it.
         for model in (self.model, self.preference and self.preference.reference):
             if model is not None:
-                skip_blank_vision_forward(
-                    model,
-                    recipe.parallel.fsdp_plan,
-                    fsdp_world=self.dims.dp * self.dims.cp,
-                    images_possible=may_hold_images(self.data),
-                )
+                self.skip_blank_vision_forward(model)
         # The resume policy and the checkpoints' state: what this run starts from.
         self.checkpoints = CheckpointManager(
             recipe,
@@ -202,6 +196,16 @@ class Trainer:
             self.frozen,
         )
         return model
+
+    def skip_blank_vision_forward(self, model: torch.nn.Module) -> None:
+        """Text-only micro-batches skip ``model``'s frozen vision tower where no rank needs its blank
+        forward (``parallelize.skip_blank_vision_forward``; the policy, a reference); after the data."""
+        skip_blank_vision_forward(
+            model,
+            self.recipe.parallel.fsdp_plan,
+            fsdp_world=self.dims.dp * self.dims.cp,
+            images_possible=may_hold_images(self.data),
+        )
 
     def _new_model(self, config) -> torch.nn.Module:
         """A model of ``config`` (meta or real, ``training.init_model_with_meta_device``) with the loss head."""
