@@ -99,9 +99,6 @@ for _module in (fetch, convert, preprocess, train, compare, generate, probe, qui
 
 def main() -> None:
     """Console-script entry point."""
-    from magistral_cli.versions import quiet_third_party_logs
-
-    quiet_third_party_logs()  # before anything imports peft, which imports torchao when installed
     try:
         app()
     except KeyboardInterrupt:

@@ -53,16 +53,16 @@ WHOLE_PARTS = ("scaler_mean", "nf4")
 
 
 def nf4_module():
-    """torchao's NF4 module (``to_nf4``, ``NF4Tensor``), imported on first use, without its import-time
-    log lines; a UserError naming the install line when torchao is missing or too old."""
+    """torchao's NF4 module (``to_nf4``, ``NF4Tensor``), imported on first use (its import-time log lines
+    are quieted when this package is imported); a UserError naming the install line when torchao is
+    missing or too old."""
     import importlib
 
-    from magistral_cli.versions import OPTIONAL_VERSIONS, optional_problem, quiet_third_party_logs
+    from magistral_cli.versions import OPTIONAL_VERSIONS, optional_problem
 
     problem = optional_problem("torchao")
     if problem:
         raise UserError(problem)
-    quiet_third_party_logs()
     for name in NF4_MODULES:
         try:
             return importlib.import_module(name)

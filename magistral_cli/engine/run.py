@@ -12,9 +12,6 @@ from pathlib import Path
 
 
 def _setup_logging() -> None:
-    from magistral_cli.versions import quiet_third_party_logs
-
-    quiet_third_party_logs()
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
