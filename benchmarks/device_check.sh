@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One command for a CUDA machine: the probes, a tiny CUDA train with images and packing, and the
+# One command for a CUDA machine: the probes, tiny CUDA trains (images and packing, DPO, QLoRA), and the
 # real-width step benchmark against a bare loop (with the top kernels and the host syncs per step).
 #
 #   bash benchmarks/device_check.sh OUT_DIR [LAYERS]
+#   DEVICE=cpu bash benchmarks/device_check.sh OUT_DIR   # the same stages on the CPU (a dry rehearsal)
 #
 # Run from the repository root. Python packages the machine image lacks come as wheels in .whl/
 # (benchmarks/README.md says how to download them); they install into /tmp/site, never into the
@@ -11,6 +12,7 @@
 set -uo pipefail
 out=${1:?usage: device_check.sh OUT_DIR [LAYERS]}
 layers=${2:-2}
+device=${DEVICE:-cuda}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -38,19 +40,31 @@ stage() {  # stage NAME SECONDS COMMAND...
 } >"$out/summary.txt" 2>&1
 cat "$out/summary.txt"
 
-stage probes "${PROBES_S:-240}" python3 -m magistral_cli probe all --device cuda --require-device
+stage probes "${PROBES_S:-240}" python3 -m magistral_cli probe all --device "$device" --require-device
 
 qs=$(mktemp -d)
-stage tiny_train "${TINY_S:-180}" bash -c "
-python3 -c 'from pathlib import Path; from magistral_cli.quickstart import write_assets; write_assets(Path(\"$qs\"), 64)' &&
-python3 -m magistral_cli train recipes/tiny/tiny_cpu.yaml \
-  parallel.device=cuda parallel.nproc_per_node=1 \
-  data.dataset_param.preprocess_parameters.model_name_or_path=$qs/model model.model_name_or_path=$qs/model \
-  training.load=$qs/model data.dataset_param.basic_parameters.dataset_dir=$qs/data \
-  data.dataset_param.basic_parameters.dataset=$qs/data/data.jsonl data.dataset_param.basic_parameters.cache_dir=$qs/cache \
-  data.dataset_param.basic_parameters.neat_packing=true data.dataset_param.basic_parameters.packing=true \
-  training.train_iters=6 training.save_interval=0 training.output_dir=$qs/run &&
-tail -n 3 $qs/run/metrics.jsonl"
+python3 -c "from pathlib import Path; from magistral_cli.quickstart import write_assets; write_assets(Path('$qs'), 64)" \
+    >"$out/assets.txt" 2>&1 || echo "assets: failed (see assets.txt)" | tee -a "$out/summary.txt"
+tiny() {  # tiny RECIPE DATA_SUBDIR RUN_NAME [OVERRIDES...]: a tiny recipe on one device, 6 steps
+    local recipe=$1 data=$2 run=$3
+    shift 3
+    python3 -m magistral_cli train "$recipe" parallel.device="$device" parallel.nproc_per_node=1 \
+        data.dataset_param.preprocess_parameters.model_name_or_path="$qs/model" model.model_name_or_path="$qs/model" \
+        training.load="$qs/model" data.dataset_param.basic_parameters.dataset_dir="$qs/$data" \
+        data.dataset_param.basic_parameters.dataset="$qs/$data/data.jsonl" \
+        data.dataset_param.basic_parameters.cache_dir="$qs/cache" \
+        training.train_iters=6 training.save_interval=0 training.output_dir="$qs/$run" "$@" &&
+        tail -n 3 "$qs/$run/metrics.jsonl"
+}
+export qs device
+export -f tiny  # timeout runs a program: each stage below is `bash -c "tiny ..."`
+stage tiny_train "${TINY_S:-180}" bash -c "tiny recipes/tiny/tiny_cpu.yaml data run \
+    data.dataset_param.basic_parameters.neat_packing=true data.dataset_param.basic_parameters.packing=true"
+# Preference training (LoRA, the base with adapters off as the reference) and QLoRA (torchao from .whl/).
+stage tiny_dpo "${DPO_S:-180}" bash -c "tiny recipes/tiny/tiny_cpu_dpo_lora.yaml pairs dpo"
+stage tiny_qlora "${QLORA_S:-180}" bash -c "tiny recipes/tiny/tiny_cpu_qlora.yaml data qlora"
 
-stage gpu_step "${STEP_S:-420}" python3 benchmarks/gpu_step.py --device cuda --layers "$layers" --micro-batch 2 --seq 4096 \
+shape=(--layers "$layers" --micro-batch 2 --seq 4096)
+[ "$device" = cpu ] && shape=()  # the tiny default shape: real widths would take hours on a CPU
+stage gpu_step "${STEP_S:-420}" python3 benchmarks/gpu_step.py --device "$device" "${shape[@]}" \
     --profile "$out" --json "$out/gpu_step.json"
