@@ -69,6 +69,8 @@ def full_params(model) -> dict:
 
 
 REPO = Path(__file__).resolve().parents[2]
+#: The published config.json of Magistral-Small-2509 (the real widths and head).
+REAL_CONFIG = REPO / "tests" / "fixtures" / "magistral-small-2509" / "config.json"
 
 
 def bf16_gemm_is_native() -> bool:
@@ -224,3 +226,31 @@ def pair_overrides(root: Path) -> list[str]:
         "training.save_interval=2",
         "training.resume=auto",
     ]
+
+
+def quickstart_overrides(quick: Path, data: str, cache_dir: Path) -> list[str]:
+    """Overrides pointing a tiny recipe at the quickstart's assets in ``quick`` (``write_assets``):
+    its model, the dataset in ``quick / data`` (``data`` or ``pairs``) and a cache in ``cache_dir``."""
+    basic = "data.dataset_param.basic_parameters"
+    return [
+        f"model.model_name_or_path={quick / 'model'}",
+        f"training.load={quick / 'model'}",
+        f"data.dataset_param.preprocess_parameters.model_name_or_path={quick / 'model'}",
+        f"{basic}.dataset={quick / data / 'data.jsonl'}",
+        f"{basic}.dataset_dir={quick / data}",
+        f"{basic}.cache_dir={cache_dir}",
+    ]
+
+
+def adapters_change(base_dir: Path, adapters: Path) -> float:
+    """The largest change PEFT adapters in ``adapters`` make to the fp32 base's logits (peft loads them)."""
+    import torch
+    from peft import PeftModel
+    from transformers import Mistral3ForConditionalGeneration
+
+    base = Mistral3ForConditionalGeneration.from_pretrained(base_dir, torch_dtype=torch.float32)
+    ids = torch.tensor([[1, 100, 200, 300, 400]])
+    with torch.no_grad():
+        before = base(input_ids=ids).logits
+        after = PeftModel.from_pretrained(base, adapters)(input_ids=ids).logits
+    return float((after - before).abs().max())

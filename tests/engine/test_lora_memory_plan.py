@@ -28,14 +28,6 @@ BASE_PARAMS = 24_011_361_280
 runner = CliRunner()
 
 
-@pytest.fixture
-def real_model_dir(tmp_path):
-    model = tmp_path / "Magistral-Small-2509"
-    model.mkdir()
-    (model / "config.json").write_text(REAL_CONFIG.read_text())
-    return model
-
-
 def _expected_adapters(r: int) -> int:
     """r x (in + out) over q, k, v, o, gate, up, down of every decoder layer, from config.json."""
     text = json.loads(REAL_CONFIG.read_text())["text_config"]

@@ -39,15 +39,6 @@ runner = CliRunner()
 # --------------------------------------------------------------------------- the real config, via the CLI
 
 
-@pytest.fixture
-def real_model_dir(tmp_path):
-    """A model directory holding only the published config.json (no weights: the plan needs none)."""
-    model = tmp_path / "Magistral-Small-2509"
-    model.mkdir()
-    (model / "config.json").write_text(REAL_CONFIG.read_text())
-    return model
-
-
 def _dry_run_plan(recipe: Path, model: Path, tmp_path: Path, *extra: str) -> dict:
     overrides = [
         f"data.dataset_param.preprocess_parameters.model_name_or_path={model}",

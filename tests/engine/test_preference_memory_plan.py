@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import pytest
-
 from magistral_cli.config import load_recipe
 from magistral_cli.engine import memory_plan as mp_plan
 
@@ -21,14 +19,6 @@ LORA_1GPU = REPO / "recipes" / "magistral-small-2509" / "lora_1gpu.yaml"
 REAL_CONFIG = REPO / "tests" / "fixtures" / "magistral-small-2509" / "config.json"
 #: The published config's parameters (untied head), as tests/engine/test_memory_plan.py counts them.
 BASE_PARAMS = 24_011_361_280
-
-
-@pytest.fixture
-def real_model_dir(tmp_path):
-    model = tmp_path / "Magistral-Small-2509"
-    model.mkdir()
-    (model / "config.json").write_text(REAL_CONFIG.read_text())
-    return model
 
 
 def _plan(path: Path, model_dir: Path, world: int, *extra: str):

@@ -27,14 +27,6 @@ GIB = 1 << 30
 runner = CliRunner()
 
 
-@pytest.fixture
-def real_model_dir(tmp_path):
-    model = tmp_path / "Magistral-Small-2509"
-    model.mkdir()
-    (model / "config.json").write_text(REAL_CONFIG.read_text())
-    return model
-
-
 def _plan(recipe: Path, model_dir: Path, *extra: str, world: int = 1):
     overrides = [f"model.model_name_or_path={model_dir}", f"training.load={model_dir}", *extra]
     return mp_plan.plan_recipe(

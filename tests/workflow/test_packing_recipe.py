@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from tests.engine.helpers import REPO, run_train
+from tests.engine.helpers import REPO, quickstart_overrides, run_train
 from tests.workflow.test_context_parallel_recipe import _build_quickstart
 
 pytestmark = pytest.mark.slow
@@ -28,14 +28,8 @@ def test_neat_packing_trains_the_tiny_recipe_on_two_processes(tmp_path):
     _build_quickstart(tmp_path)
     quick = tmp_path / "quickstart"
     recipe = REPO / "recipes" / "tiny" / "tiny_cpu.yaml"
-    basic = "data.dataset_param.basic_parameters"
     common = (
-        f"model.model_name_or_path={quick / 'model'}",
-        f"training.load={quick / 'model'}",
-        f"data.dataset_param.preprocess_parameters.model_name_or_path={quick / 'model'}",
-        f"{basic}.dataset={quick / 'data' / 'data.jsonl'}",
-        f"{basic}.dataset_dir={quick / 'data'}",
-        f"{basic}.cache_dir={tmp_path / 'cache'}",
+        *quickstart_overrides(quick, "data", tmp_path / "cache"),
         f"training.train_iters={STEPS}",
         "training.save_interval=0",
     )
