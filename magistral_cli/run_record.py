@@ -24,14 +24,15 @@ RESOLVED_CONFIG = "resolved_config.yaml"
 IDENTITY_NAME = "run_identity.json"
 
 
-def write_text_atomic(path: Path, text: str, *, fsync: bool = False) -> None:
-    """``text`` into ``path`` through a temporary file next to it and a rename, so readers never
-    see half a file; the file gets a new file's mode (the umask's). ``fsync``: the bytes reach the
-    disk before the rename. A failure (a full disk) leaves the old file and no temporary, and
-    raises an ``OSError`` naming ``path``."""
+def write_text_atomic(path: Path, text: str | bytes, *, fsync: bool = False) -> None:
+    """``text`` (UTF-8, or ``bytes`` as they are) into ``path`` through a temporary file next to it
+    and a rename, so readers never see half a file; the file gets a new file's mode (the umask's).
+    ``fsync``: the bytes reach the disk before the rename. A failure (a full disk) leaves the old
+    file and no temporary, and raises an ``OSError`` naming ``path``."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    binary = isinstance(text, bytes)
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with open(tmp, "wb" if binary else "w", encoding=None if binary else "utf-8") as f:
             f.write(text)
             if fsync:
                 f.flush()

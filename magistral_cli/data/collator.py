@@ -111,7 +111,7 @@ class PairCollator:
     Neat packing (``segments="samples"``): each item is a pack of whole pairs (chosen, rejected,
     chosen, rejected, ...), one row each, every sequence its own attention segment (``cu_seqlens``).
 
-    Items that carry their cache samples (``"sample_index"``, ``loader.TrainDataset``) add
+    Items that carry their cache samples (``SAMPLE_INDEX``, ``loader.TrainDataset``) add
     ``SAMPLE_INDEX``: one per row unpacked, one per sequence (in pack order) packed.
     """
 
@@ -125,14 +125,14 @@ class PairCollator:
     def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
         if self.collator.segments == "samples":
             out = self.collator(items)
-            if all("sample_index" in item for item in items):
-                indices = np.concatenate([np.asarray(item["sample_index"], dtype=np.int64) for item in items])
+            if all(SAMPLE_INDEX in item for item in items):
+                indices = np.concatenate([np.asarray(item[SAMPLE_INDEX], dtype=np.int64) for item in items])
                 out[SAMPLE_INDEX] = torch.from_numpy(indices)
             return out
         rows = [item["chosen"] for item in items] + [item["rejected"] for item in items]
         out = self.collator(rows)
-        if all("sample_index" in row for row in rows):
-            out[SAMPLE_INDEX] = torch.tensor([int(row["sample_index"]) for row in rows], dtype=torch.int64)
+        if all(SAMPLE_INDEX in row for row in rows):
+            out[SAMPLE_INDEX] = torch.tensor([int(row[SAMPLE_INDEX]) for row in rows], dtype=torch.int64)
         return out
 
 

@@ -37,7 +37,7 @@ import numpy as np
 from magistral_cli.errors import PATH_ERRNOS, UserError
 
 from .cache import EncodedDataset
-from .collator import COLLATORS, IGNORE_INDEX, PairCollator, PixtralCollator
+from .collator import COLLATORS, IGNORE_INDEX, SAMPLE_INDEX, PairCollator, PixtralCollator
 from .packing import packing_units, plan_packs, segment_mode
 from .pixtral import ImageChangedError, ImageSettings, ImageSizeError, load_pixel_values
 from .samplers import SAMPLER_TYPES, build_sampler
@@ -146,9 +146,10 @@ class TrainDataset:
     ):
         if packs is not None and encoded.pairs:
             for pack in packs:
-                if pack[0::2] != [2 * (i // 2) for i in pack[0::2]] or pack[1::2] != [
-                    i + 1 for i in pack[0::2]
-                ]:
+                chosen, rejected = pack[0::2], pack[1::2]
+                if len(chosen) != len(rejected) or any(
+                    c % 2 or r != c + 1 for c, r in zip(chosen, rejected, strict=True)
+                ):
                     raise ValueError(f"a pack of pairs holds whole pairs (2k, 2k + 1, ...), not {pack}")
         self.encoded = encoded
         self.settings = settings
@@ -164,12 +165,12 @@ class TrainDataset:
         if self.packs is not None:
             item = self._item(self.packs[index])
             if self.encoded.pairs:
-                item["sample_index"] = np.asarray(self.packs[index], dtype=np.int64)
+                item[SAMPLE_INDEX] = np.asarray(self.packs[index], dtype=np.int64)
             return item
         unit = self.indices[index] if self.indices is not None else index
         if self.encoded.pairs:
             chosen, rejected = self._item([2 * unit]), self._item([2 * unit + 1])
-            chosen["sample_index"], rejected["sample_index"] = 2 * unit, 2 * unit + 1
+            chosen[SAMPLE_INDEX], rejected[SAMPLE_INDEX] = 2 * unit, 2 * unit + 1
             return {"chosen": chosen, "rejected": rejected}
         return self._item([unit])
 

@@ -939,17 +939,11 @@ def plan_recipe(recipe, *, device: str, world_size: int, nproc_per_node: int, de
     quantized = None
     spec = recipe.model.lora
     if spec is not None and spec.quantize_base != "none":
-        from .qlora import check_layout, quantize_targets
+        from .qlora import checked_targets
 
         # The weights the trainer quantises, checked against the FSDP group (the world) here, before any
         # rank starts; torchao itself is not needed for the plan.
-        targets = quantize_targets(model, spec.quantize_apply_to)
-        check_layout(
-            [(n, tuple(m.weight.shape)) for n, m in targets],
-            spec.quantize_block_size,
-            spec.quantize_scaler_block_size,
-            world_size,
-        )
+        targets = checked_targets(model, spec, world_size)
         quantized = (
             {f"{n}.weight" for n, _ in targets},
             spec.quantize_block_size,

@@ -158,6 +158,19 @@ def check_layout(
         )
 
 
+def checked_targets(model: nn.Module, spec, shards: int) -> list[tuple[str, nn.Linear]]:
+    """``quantize_targets`` of ``spec`` (``model.lora``), each weight checked against the layout rule
+    for ``shards`` FSDP ranks (``check_layout``); the trainer and the memory plan share it."""
+    targets = quantize_targets(model, spec.quantize_apply_to)
+    check_layout(
+        [(n, tuple(m.weight.shape)) for n, m in targets],
+        spec.quantize_block_size,
+        spec.quantize_scaler_block_size,
+        shards,
+    )
+    return targets
+
+
 def quantize_base_(model: nn.Module, spec, shards: int) -> QuantizedBase | None:
     """Replace the frozen Linear weights of the quantised parts by NF4 tensors (in place, meta or real), before FSDP2.
 
@@ -166,14 +179,13 @@ def quantize_base_(model: nn.Module, spec, shards: int) -> QuantizedBase | None:
     """
     if spec is None or spec.quantize_base == "none":
         return None
-    targets = quantize_targets(model, spec.quantize_apply_to)
+    targets = checked_targets(model, spec, shards)
     if not targets:
         raise UserError(
             f"model.lora.quantize_base: nf4 found no frozen Linear layer in {', '.join(spec.quantize_apply_to)} "
             "(model.lora.quantize_apply_to); set model.lora.quantize_base: none"
         )
     block, scaler_block = spec.quantize_block_size, spec.quantize_scaler_block_size
-    check_layout([(n, tuple(m.weight.shape)) for n, m in targets], block, scaler_block, shards)
     nf4 = nf4_module()
     numel = 0
     with torch.no_grad():
@@ -193,11 +205,6 @@ def quantize_base_(model: nn.Module, spec, shards: int) -> QuantizedBase | None:
         scaler_block,
     )
     return done
-
-
-def quantize_from_recipe(model: nn.Module, recipe, shards: int) -> QuantizedBase | None:
-    """:func:`quantize_base_` with the recipe's ``model.lora``."""
-    return quantize_base_(model, recipe.model.lora, shards)
 
 
 # --------------------------------------------------------------------------- loading
@@ -243,8 +250,3 @@ def materialize_nf4_(model: nn.Module, device: torch.device) -> int:
                 setattr(local, part, torch.empty_like(value, device=device))
         count += 1
     return count
-
-
-def dequantized(weight: torch.Tensor) -> torch.Tensor:
-    """The full dequantised weight of an NF4 tensor (not sharded), in its dtype: what the forward uses."""
-    return weight.get_original_weight()

@@ -24,19 +24,17 @@ import gc
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from magistral_cli.checkpoint.staging import current_umask
 from magistral_cli.data.cache import FILES_KEY
 from magistral_cli.data.collator import SAMPLE_INDEX
 from magistral_cli.errors import UserError
 from magistral_cli.ops.chunked_loss import IGNORE_INDEX
+from magistral_cli.run_record import write_text_atomic
 from magistral_cli.runtime import host_to_device
 from magistral_cli.runtime.device import device_module
 
@@ -128,20 +126,11 @@ def read_stored(path: Path, identity: dict) -> tuple[torch.Tensor | None, str | 
 
 
 def write_stored(path: Path, values: torch.Tensor, identity: dict) -> None:
-    """``values`` with ``identity`` into ``path``, atomically (a temporary file renamed into place)."""
-    from safetensors.torch import save_file
+    """``values`` with ``identity`` into ``path``, atomically (``run_record.write_text_atomic``)."""
+    from safetensors.torch import save
 
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(
-            {TENSOR: values.contiguous()}, tmp, metadata={"identity": json.dumps(identity, sort_keys=True)}
-        )
-        os.chmod(tmp, 0o666 & ~current_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    data = save({TENSOR: values.contiguous()}, metadata={"identity": json.dumps(identity, sort_keys=True)})
+    write_text_atomic(path, data)
 
 
 def stored_reference_logps(trainer) -> torch.Tensor:

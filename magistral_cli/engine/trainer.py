@@ -39,7 +39,7 @@ from .optim import build_optimizer, clip_grads_, grad_norm_and_sums, lr_at
 from .parallelize import ParallelDims, parallelize_model, skip_blank_vision_forward
 from .preference import PreferenceStep, evaluate_pairs, metrics_of, reference_kind, reference_source
 from .profiling import MemoryProfiler, StepProfiler
-from .qlora import quantize_from_recipe
+from .qlora import quantize_base_
 from .resume import CheckpointManager
 from .rng import seed_everything
 from .step_log import StepLog, read_step_values
@@ -175,7 +175,7 @@ class Trainer:
         self.lora = lora_mod.apply_lora_from_recipe(model, recipe)
         # QLoRA (model.lora.quantize_base): the frozen decoder Linear weights become NF4 before FSDP2
         # shards them; the loader quantises the real weights into them.
-        self.quantized = quantize_from_recipe(model, recipe, shards=self.dims.dp * self.dims.cp)
+        quantize_base_(model, recipe.model.lora, shards=self.dims.dp * self.dims.cp)
         done = parallelize_model(
             model,
             recipe,
