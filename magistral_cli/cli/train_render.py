@@ -119,8 +119,11 @@ def render_padding(padding: dict[str, Any], console, *, full: bool = True) -> No
     from rich.table import Table
 
     mb = estimate["micro_batch_size"]
+    pairs = estimate.get("pairs_per_micro_batch")
+    size = f"{mb}" if pairs is None else f"{pairs} pair{'s' if pairs != 1 else ''} ({mb} sequences)"
+    counted = "samples" if pairs is None else "sequences"
     table = Table(
-        title=f"padding per micro-batch of {mb} ({estimate['samples']:,} samples; {estimate['source']})",
+        title=f"padding per micro-batch of {size} ({estimate['samples']:,} {counted}; {estimate['source']})",
         title_justify="left",
     )
     table.add_column("mode", no_wrap=True)

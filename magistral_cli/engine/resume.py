@@ -272,8 +272,12 @@ class CheckpointManager:
             )
         saved = lora_mod.read_checkpoint_record(path) or {}
         mine = self.lora.to_record(self.recipe.model.model_name_or_path)
+        # A checkpoint from before QLoRA records no quantize_base: its base was the plain one.
+        saved = {"quantize_base": "none", **saved}
         differ = [
-            k for k in ("r", "alpha", "target_modules", "modules_to_save") if saved.get(k) != mine.get(k)
+            k
+            for k in ("r", "alpha", "target_modules", "modules_to_save", "quantize_base")
+            if saved.get(k) != mine.get(k)
         ]
         if differ:
             raise UserError(

@@ -358,6 +358,8 @@ def padding_section(recipe: Recipe, world_size: int, dataset=None, *, hint: str 
         "samples": estimates["none"].rows,
         "cutoff_len": basic.cutoff_len,
         "micro_batch_size": rows_per_micro_batch,
+        # Under dpo the recipe's micro_batch_size counts pairs, each of 2 sequences (rows).
+        "pairs_per_micro_batch": recipe.training.micro_batch_size if per_sample == 2 else None,
         "recipe_mode": used,
         "modes": modes,
     }

@@ -266,3 +266,28 @@ def test_quantize_apply_to_reaches_the_vision_tower_and_projector_when_asked():
     got = torch.cat(list(getattr(got, "pooler_output", got)))
     want = torch.cat(list(getattr(want, "pooler_output", want)))
     assert got.shape == want.shape and ((got - want).abs().max() / want.abs().max()).item() <= 1e-6
+
+
+@pytest.mark.slow
+def test_resume_refuses_to_switch_between_lora_and_qlora(tmp_path):
+    """Adapters trained against the NF4 base do not go on against the bf16 one (nor the reverse) unnoticed."""
+    import torch.distributed as dist
+
+    from magistral_cli.engine.trainer import Trainer
+    from magistral_cli.errors import UserError
+
+    write_tiny_model(tmp_path / "model")
+    run = tmp_path / "run"
+    _train(_recipe(tmp_path / "model", run, qlora=True, save_interval=2, resume="auto"), steps=2)
+    try:
+        with pytest.raises(
+            UserError,
+            match=r"other model.lora settings \(quantize_base: quantize_base 'nf4' there, 'none' here\)",
+        ):
+            Trainer(_recipe(tmp_path / "model", run, qlora=False, save_interval=2, resume="auto"))
+    finally:
+        if dist.is_initialized():  # the failed constructor left its group behind
+            dist.destroy_process_group()
+    # The QLoRA recipe itself resumes it.
+    rest, _ = _train(_recipe(tmp_path / "model", run, qlora=True, save_interval=2, resume="auto"), steps=1)
+    assert len(rest) == 1

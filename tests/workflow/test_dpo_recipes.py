@@ -52,6 +52,10 @@ def test_tiny_dpo_recipes_train_log_rewards_and_export(tmp_path):
     # training loader builds (over every pair: no validation split) and every token in them.
     modes = json.loads(plan.stdout)["padding"]["estimate"]["modes"]
     assert (modes["none"]["rows_per_micro_batch"], modes["packing"]["rows_per_micro_batch"]) == (4, 2)
+    assert json.loads(plan.stdout)["padding"]["estimate"]["pairs_per_micro_batch"] == 2
+    shown = runner.invoke(app, ["train", str(full_recipe), *common, "--dry-run"], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0, shown.output
+    assert "padding per micro-batch of 2 pairs (4 sequences) (128 sequences;" in shown.output
     basic = "data.dataset_param.basic_parameters"
     neat = load_recipe(
         full_recipe,
