@@ -432,7 +432,9 @@ def contiguous_linear_patterns(
     return out
 
 
-def refuse_lora_checkpoint_as_load(load: str | None, load_format: str = "auto") -> None:
+def refuse_lora_checkpoint_as_load(
+    load: str | None, load_format: str = "auto", *, what: str = "training.load"
+) -> None:
     """``training.load`` must hold base weights: a LoRA training checkpoint holds adapters only.
 
     A ``UserError`` naming the way to resume it or to export it; the launcher calls this in its
@@ -447,7 +449,7 @@ def refuse_lora_checkpoint_as_load(load: str | None, load_format: str = "auto") 
     path = Path(load)
     if is_training_checkpoint(path) and read_checkpoint_record(path) is not None:
         raise UserError(
-            f"training.load {path} is a LoRA training checkpoint (adapters only), not base weights; "
+            f"{what} {path} is a LoRA training checkpoint (adapters only), not base weights; "
             "set training.load to the base model and training.save to that run's checkpoint "
             "directory to resume it (training.resume: auto), or export it first with "
             "`magistral convert dcp-to-hf --lora merged`"

@@ -85,33 +85,33 @@ class CheckpointManager:
         if self.save_dir is None:
             pass  # nothing saved, nothing to resume from
         elif training.resume == "auto":
-            resume = self._choose(self.save_dir, what="resume")
+            resume = choose_checkpoint(self.save_dir, what="resume")
         else:
             ckpt.refuse_fresh_start(self.save_dir)
-        if self.lora is None and resume is None and training.load and training.load_format != "hf":
-            path = Path(training.load)
-            if ckpt.is_training_checkpoint(path):
-                result = self._verify(path)
-                if not result.ok:
-                    raise CheckFailed(
-                        f"training.load {path} is a damaged checkpoint: " + "; ".join(result.problems[:5])
-                    )
-                resume = path
-            elif (found := ckpt.checkpoints_dir(path)) is not None:
-                resume = self._choose(found, what="training.load")
+        # training.load naming a training checkpoint (or a directory of them): a full run continues
+        # from it; a LoRA run takes its model as the base. Either way it is verified first, so a
+        # half-written or damaged checkpoint is never taken as good.
+        start = None
+        if (self.lora is not None or resume is None) and training.load and training.load_format != "hf":
+            start = training_checkpoint_to_load(Path(training.load))
+        if self.lora is None and resume is None:
+            resume = start
         if self.lora is not None or resume is None:
-            self._load_base_weights()
+            self._load_base_weights(start)
         if resume is None:
             return 0
         step = self.load(resume)
         log.info("resumed from %s at step %d", resume, step)
         return step
 
-    def _load_base_weights(self) -> None:
-        """``training.load`` into the model (for a LoRA model: the base, adapters left as initialised)."""
+    def _load_base_weights(self, checkpoint: Path | None = None) -> None:
+        """``training.load`` into the model (for a LoRA model: the base, adapters left as initialised);
+        ``checkpoint``: the verified training checkpoint it names, read in its place."""
         training = self.recipe.training
         if training.load:
-            report = load_weights(self.model, training.load, training.load_format, training.load_strict)
+            source = training.load if checkpoint is None else str(checkpoint)
+            fmt = training.load_format if checkpoint is None else "dcp"
+            report = load_weights(self.model, source, fmt, training.load_strict)
             if report.missing or report.unexpected:
                 log.warning(
                     "loaded %s: missing %s, unexpected %s", report.source, report.missing, report.unexpected
@@ -132,32 +132,6 @@ class CheckpointManager:
         with torch.no_grad():
             for name in owners:
                 self.model._init_weights(modules[name])
-
-    def _verify(self, path: Path) -> ckpt.Verification:
-        """``ckpt.verify_checkpoint`` with the files split over the ranks; every rank gets every finding."""
-        mine = ckpt.verify_checkpoint(path, self.rank, self.world_size)
-        found: list[tuple[list[str], bool] | None] = [None] * self.world_size
-        dist.all_gather_object(found, (mine.problems, mine.recorded))
-        problems = [p for part in found for p in (part[0] if part else [])]
-        return ckpt.Verification(path, problems, recorded=all(part[1] for part in found if part))
-
-    def _choose(self, save_dir: Path, what: str) -> Path | None:
-        """The newest intact checkpoint of ``save_dir``, with a warning for each one passed over."""
-        choice = ckpt.choose_resume(save_dir, verify=self._verify)
-        if self.rank == 0:
-            for skipped in choice.skipped:
-                log.warning("%s: skipped checkpoint %s", what, skipped)
-            if choice.unverified:
-                log.warning("%s: %s has no integrity record (an older save); not verified", what, choice.path)
-            name, problem = ckpt.latest_name(save_dir)
-            if choice.path is not None and (problem or name != choice.path.name):
-                log.warning(
-                    "%s: %s; taking %s, the newest intact checkpoint",
-                    what,
-                    problem or f"{save_dir / ckpt.LATEST} names {name}",
-                    choice.path.name,
-                )
-        return choice.path
 
     # ------------------------------------------------------------------ state
     def state_dict(self, step: int) -> dict[str, Any]:
@@ -285,3 +259,54 @@ class CheckpointManager:
                 + "; ".join(f"{k} {saved.get(k)!r} there, {mine.get(k)!r} here" for k in differ[:2])
                 + "); resume with the settings it was trained with, or point training.save at a new directory"
             )
+
+
+def verify_on_all_ranks(path: Path) -> ckpt.Verification:
+    """``ckpt.verify_checkpoint`` with the files split over the ranks; every rank gets every finding."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mine = ckpt.verify_checkpoint(path, rank, world_size)
+    found: list[tuple[list[str], bool] | None] = [None] * world_size
+    dist.all_gather_object(found, (mine.problems, mine.recorded))
+    problems = [p for part in found for p in (part[0] if part else [])]
+    return ckpt.Verification(path, problems, recorded=all(part[1] for part in found if part))
+
+
+def choose_checkpoint(save_dir: Path, what: str) -> Path | None:
+    """The newest intact checkpoint of ``save_dir``, with a warning for each one passed over."""
+    choice = ckpt.choose_resume(save_dir, verify=verify_on_all_ranks)
+    if dist.get_rank() == 0:
+        for skipped in choice.skipped:
+            log.warning("%s: skipped checkpoint %s", what, skipped)
+        if choice.unverified:
+            log.warning("%s: %s has no integrity record (an older save); not verified", what, choice.path)
+        name, problem = ckpt.latest_name(save_dir)
+        if choice.path is not None and (problem or name != choice.path.name):
+            log.warning(
+                "%s: %s; taking %s, the newest intact checkpoint",
+                what,
+                problem or f"{save_dir / ckpt.LATEST} names {name}",
+                choice.path.name,
+            )
+    return choice.path
+
+
+def training_checkpoint_to_load(path: Path, what: str = "training.load") -> Path | None:
+    """The verified training checkpoint that ``path`` names (itself, or the newest intact one of a
+    checkpoint directory), or None when it names weights, not a training checkpoint.
+
+    Every rank calls it. A damaged one stops the run (``CheckFailed``), so a half-written checkpoint
+    is never taken as good; a LoRA one (adapters only) is never starting weights (``UserError``).
+    """
+    if ckpt.is_training_checkpoint(path):
+        result = verify_on_all_ranks(path)
+        if not result.ok:
+            raise CheckFailed(f"{what} {path} is a damaged checkpoint: " + "; ".join(result.problems[:5]))
+        if not result.recorded and dist.get_rank() == 0:
+            log.warning("%s: %s has no integrity record (an older save); not verified", what, path)
+        chosen = path
+    elif (found := ckpt.checkpoints_dir(path)) is not None:
+        chosen = choose_checkpoint(found, what=what)
+    else:
+        return None
+    lora_mod.refuse_lora_checkpoint_as_load(str(chosen), "dcp", what=what)
+    return chosen

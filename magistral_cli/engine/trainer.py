@@ -40,7 +40,7 @@ from .parallelize import ParallelDims, parallelize_model, skip_blank_vision_forw
 from .preference import PreferenceStep, evaluate_pairs, metrics_of, reference_kind, reference_source
 from .profiling import MemoryProfiler, StepProfiler
 from .qlora import quantize_base_
-from .resume import CheckpointManager
+from .resume import CheckpointManager, training_checkpoint_to_load
 from .rng import seed_everything
 from .step_log import StepLog, read_step_values
 from .validate import evaluate
@@ -229,7 +229,10 @@ class Trainer:
         from .lora import refuse_lora_checkpoint_as_load
         from .weights import load_weights
 
-        refuse_lora_checkpoint_as_load(source)
+        what = "training.dpo.ref_model" if recipe.training.dpo.ref_model is not None else "training.load"
+        refuse_lora_checkpoint_as_load(source, what=what)
+        # A training checkpoint (or a directory of them) is verified first, as the policy's start is.
+        checkpoint = training_checkpoint_to_load(Path(source), what=what)
         # A fresh config (the policy's build set its attention names on the shared one), and the
         # RNG forked: the policy's initialisation and data order stay as they are without it.
         with torch.random.fork_rng(devices=[]):
@@ -250,7 +253,7 @@ class Trainer:
             mesh=self.meshes.dp_cp,
             loss_fn=loss_head_sum,
         )
-        report = load_weights(ref, source, "auto", strict=True)
+        report = load_weights(ref, source if checkpoint is None else str(checkpoint), "auto", strict=True)
         ref.eval()
         log.info("reference model: %d tensors from %s (%s), frozen", report.loaded, report.source, report.fmt)
         return ref

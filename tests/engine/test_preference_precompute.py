@@ -146,3 +146,33 @@ def test_the_lora_base_is_precomputed_with_its_adapters_off(quick, tmp_path):
         trainer.close()
     assert torch.equal(stored, base)
     assert (policy - base).abs().max() > 1e-3, "the adapters change the policy"
+
+
+def test_a_reference_from_training_checkpoints_is_verified_first(quick, tmp_path):
+    """training.dpo.ref_model (or training.load) naming a run's checkpoints: a damaged checkpoint is
+    refused with its name, as the policy's own start is, never scored against."""
+    import torch.distributed as dist
+
+    from magistral_cli.errors import CheckFailed
+
+    base = [*pair_overrides(quick), "training.save_interval=1"]
+    first = Trainer(load_recipe(DPO_RECIPE, [*base, f"training.output_dir={tmp_path / 'first'}"]))
+    try:
+        first.train(max_steps=1)
+    finally:
+        first.close()
+    step_1 = tmp_path / "first" / "checkpoints" / "step_1"
+    victim = max(step_1.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    with open(victim, "r+b") as f:
+        f.seek(victim.stat().st_size // 3)
+        f.write(b"\x7f" * 4096)  # same size, other bytes: only the checksum sees it
+    for ref in (step_1, tmp_path / "first"):
+        overrides = [*base, f"training.output_dir={tmp_path / 'second'}", f"training.dpo.ref_model={ref}"]
+        try:
+            with pytest.raises(CheckFailed) as info:
+                Trainer(load_recipe(DPO_RECIPE, overrides))
+        finally:
+            if dist.is_initialized():  # the failed constructor left its group behind
+                dist.destroy_process_group()
+        what = "training.dpo.ref_model" if ref == step_1 else "none is complete and intact"
+        assert what in str(info.value) and victim.name in str(info.value)

@@ -178,3 +178,86 @@ def test_skip_nonfinite_steps_skips_and_logs(base_run, tmp_path):
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line.get("skipped", False) for line in lines] == [False, False, True, True]
     assert lines[2]["loss"] is None  # NaN is written as null
+
+
+def _lora_base(model_dir: Path, run_dir: Path, load: Path) -> dict:
+    """A LoRA trainer whose base comes from ``load``: its frozen base weights, by base name."""
+    from magistral_cli.engine import lora
+
+    from .helpers import full_params
+
+    overrides = [
+        f"training.load={load}",
+        "model.lora.r=4",
+        "model.lora.alpha=8",
+        "model.lora.target_modules=[q_proj,v_proj]",
+        "training.init_model_with_meta_device=true",
+    ]
+    trainer = Trainer(make_recipe(model_dir, run_dir, overrides, train_iters=1))
+    try:
+        return {
+            lora.base_key(n): p for n, p in full_params(trainer.model).items() if not lora.is_adapter_key(n)
+        }
+    finally:
+        trainer.close()
+
+
+def test_a_lora_base_from_training_checkpoints_is_verified_like_a_resume(base_run, tmp_path, caplog):
+    """training.load naming a full run's checkpoint, or its directory, as a LoRA base: a damaged one is
+    refused or passed over, never loaded as good; a LoRA checkpoint is never a base."""
+    import torch
+    import torch.distributed as dist
+
+    model_dir, run = _copy(base_run, tmp_path)
+    step_4 = _lora_base(model_dir, tmp_path / "lora4", run / "checkpoints" / "step_4")
+    with open(_data_file(run / "checkpoints" / "step_6"), "r+b") as f:
+        f.seek(f.seek(0, 2) // 3)
+        f.write(b"\x7f" * 4096)  # same size, other bytes: only the checksum sees it
+    try:
+        with pytest.raises(CheckFailed, match=r"training.load .*step_6 is a damaged checkpoint"):
+            _lora_base(model_dir, tmp_path / "lora6", run / "checkpoints" / "step_6")
+    finally:
+        if dist.is_initialized():  # the failed constructor left its group behind
+            dist.destroy_process_group()
+    # The run directory: its newest intact checkpoint, step_4, with a warning for step_6.
+    chosen = _lora_base(model_dir, tmp_path / "lora-dir", run)
+    assert "training.load: skipped checkpoint step_6" in caplog.text
+    assert chosen.keys() == step_4.keys() and chosen
+    for name, value in chosen.items():
+        assert torch.equal(value, step_4[name]), name
+    # ... which is step_4's model, not the model directory's weights.
+    original = _model_dir_weights(model_dir)
+    assert any(not torch.equal(v, original[k]) for k, v in step_4.items())
+
+    # A directory whose newest checkpoint is a LoRA one (adapters only) is no base.
+    lora_run = tmp_path / "lora-run"
+    trainer = Trainer(
+        make_recipe(
+            model_dir,
+            lora_run,
+            ["model.lora.r=4", "model.lora.alpha=8", "model.lora.target_modules=[q_proj,v_proj]"],
+            train_iters=2,
+            save_interval=2,
+        )
+    )
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    try:
+        with pytest.raises(UserError, match="is a LoRA training checkpoint .*not base weights"):
+            _lora_base(model_dir, tmp_path / "lora-on-lora", lora_run)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _model_dir_weights(model_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    from magistral_cli.checkpoint.keys import to_transformers_key
+
+    out = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        out.update({to_transformers_key(k): v for k, v in load_file(shard).items()})
+    return out
