@@ -37,6 +37,8 @@ Transient, on the device, in three phases (the peak is the largest phase):
 - **all-gather buffers**: each unit's parameters unsharded in ``p`` while it computes, plus the
   units already gathered ahead: ``max(1, num_to_backward_prefetch)`` (FSDP2 prefetches one unit
   implicitly in the backward). Sized by the largest unit: ``(1 + ahead) x padded numel x p``.
+  On one rank the frozen parameters stored in ``p`` (a LoRA base; any frozen one when ``p`` is 4)
+  are used in place and not counted (``parallelize.left_unsharded``).
 - **unit gradients in flight**: the unit's unsharded gradients (``p``, autograd's output) and its
   reduce-scatter input (``r``, kept until the next unit's reduce-scatter):
   ``trainable numel x p + padded trainable numel x r`` of the largest trainable unit.
@@ -130,14 +132,22 @@ class UnitShape:
     trainable_padded_numel: int
     #: Of ``padded_numel``, the NF4 elements (QLoRA): gathered 4-bit, not in ``p``.
     quantized_numel: int = 0
+    #: Of ``padded_numel``, the frozen elements that are not NF4.
+    frozen_padded_numel: int = 0
 
-    def gathered_bytes(self, p: int, quant: QuantShape | None, world: int = 2) -> int:
-        """The all-gather output: ``p`` bytes an element, NF4's for the quantised ones (none on one
-        rank, where FSDP2 leaves the NF4 weights alone: ``parallelize.nf4_left_unsharded``)."""
-        if quant is None or not self.quantized_numel:
-            return p * self.padded_numel
-        nf4 = quant.nbytes(self.quantized_numel) if world > 1 else 0
-        return p * (self.padded_numel - self.quantized_numel) + nf4
+    def gathered_bytes(
+        self, p: int, quant: QuantShape | None, world: int = 2, frozen_left_alone: bool = False
+    ) -> int:
+        """The all-gather output: ``p`` bytes an element, NF4's for the quantised ones. On one rank
+        FSDP2 leaves the NF4 weights alone, and the frozen ones when they are stored in the compute
+        dtype (``frozen_left_alone``): ``parallelize.left_unsharded``; none of those is gathered."""
+        gathered, nf4 = self.padded_numel, 0
+        if quant is not None and self.quantized_numel:
+            gathered -= self.quantized_numel
+            nf4 = quant.nbytes(self.quantized_numel) if world > 1 else 0
+        if world == 1 and frozen_left_alone:
+            gathered -= self.frozen_padded_numel
+        return p * gathered + nf4
 
 
 @dataclass(frozen=True)
@@ -479,18 +489,25 @@ def optimizer_items(shape: ModelShape, s: PlanSettings) -> list[MemoryItem]:
 def all_gather_buffers(shape: ModelShape, s: PlanSettings) -> MemoryItem:
     """The largest unit unsharded in ``p``, once computing and once per unit gathered ahead."""
     p, quant = s.p, shape.quant
-    largest = max(shape.units, key=lambda u: u.gathered_bytes(p, quant, s.world_size))
+    left_alone = s.frozen_bytes == p  # frozen weights in the compute dtype: not gathered on one rank
+
+    def gathered_bytes(unit: UnitShape) -> int:
+        return unit.gathered_bytes(p, quant, s.world_size, left_alone)
+
+    largest = max(shape.units, key=gathered_bytes)
     ahead = max(1, s.num_to_backward_prefetch)
-    gathered = largest.gathered_bytes(p, quant, s.world_size)
-    nf4 = (
+    gathered = gathered_bytes(largest)
+    detail = (
         f", {largest.quantized_numel:,} of them NF4" if quant is not None and largest.quantized_numel else ""
     )
+    if s.world_size == 1 and left_alone and largest.frozen_padded_numel:
+        detail += f", {largest.frozen_padded_numel:,} frozen ones used in place"
     return _item(
         "all_gather",
         f"all-gather buffers ({p}-byte params{', NF4 base' if quant is not None else ''})",
         (1 + ahead) * gathered,
         ("loss", "backward"),
-        f"(1 + {ahead} ahead) x {gathered:,} B ({largest.padded_numel:,} elements{nf4}; {_short(largest.name)})",
+        f"(1 + {ahead} ahead) x {gathered:,} B ({largest.padded_numel:,} elements{detail}; {_short(largest.name)})",
     )
 
 
@@ -774,7 +791,7 @@ def model_shape(
     ``quantized`` is QLoRA's (parameter names in NF4, block, scaler block).
     """
     owners = [(u, f"{u}.") for u in units]
-    unit_acc: dict[str, list[int]] = {u: [0, 0, 0, 0, 0] for u in [*units, "(root)"]}
+    unit_acc: dict[str, list[int]] = {u: [0, 0, 0, 0, 0, 0] for u in [*units, "(root)"]}
     nf4_names = quantized[0] if quantized else set()
     nf4 = [0, 0, 0]  # numel, shard numel, largest
     counts = parameter_counts(model, frozen)
@@ -803,6 +820,8 @@ def model_shape(
             acc[1] += n
             acc[3] += padded
             vision_trainable |= name.startswith("model.vision_tower.")
+        elif name not in nf4_names:
+            acc[5] += padded
     unit_shapes = tuple(UnitShape(u, *acc) for u, acc in unit_acc.items() if acc[0])
     text = model.config.text_config
     layer_names = [n for n, _ in model.named_modules() if _LAYER.match(n) and "language_model" in n]

@@ -116,19 +116,27 @@ def mixed_precision(plan: FSDPPlan) -> MixedPrecisionPolicy:
     )
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: FSDPPlan) -> list[tuple[str, nn.Module]]:
+def apply_fsdp(
+    model: nn.Module, mesh: DeviceMesh, plan: FSDPPlan, device: torch.device | None = None
+) -> list[tuple[str, nn.Module]]:
     """``fully_shard`` each module matched by ``plan.apply_modules`` in the order given, then the root.
 
     Bottom-up: a module is sharded after the modules nested in it, so each FSDP unit owns only
-    the parameters no inner unit took. Returns the (name, module) units in that order.
+    the parameters no inner unit took. Returns the (name, module) units in that order. On one
+    rank the parameters of :func:`left_unsharded` stay plain, on ``device`` (FSDP2 moves only
+    what it manages).
     """
     policy = mixed_precision(plan)
     units = select_modules(model, plan.apply_modules, what="parallel.fsdp_plan.apply_modules pattern")
     units = tied_units(model, units)
     kwargs = {"mesh": mesh, "mp_policy": policy}
-    ignored = nf4_left_unsharded(model, mesh.size())
+    ignored = left_unsharded(model, mesh.size(), policy.param_dtype)
     if ignored:
         kwargs["ignored_params"] = ignored
+        with torch.no_grad():
+            for param in ignored:
+                if device is not None and not param.is_meta and param.device != device:
+                    param.data = param.data.to(device)
     for _, module in units:
         fully_shard(module, reshard_after_forward=plan.reshard_after_forward, **kwargs)
     # The root last: it owns what no unit took, lazy init and the backward's final callback.
@@ -139,18 +147,30 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: FSDPPlan) -> list[tuple
     return units
 
 
-def nf4_left_unsharded(model: nn.Module, group_size: int) -> set[nn.Parameter]:
-    """QLoRA's NF4 weights when the FSDP group is one rank: FSDP2 leaves them alone (``ignored_params``).
+def left_unsharded(model: nn.Module, group_size: int, param_dtype: torch.dtype | None) -> set[nn.Parameter]:
+    """The parameters FSDP2 leaves alone (``ignored_params``) when its group is one rank: every
+    frozen parameter stored in the compute dtype (``param_dtype``; any, when it is unset), and
+    QLoRA's NF4 weights.
 
-    With one rank there is nothing to shard or gather, and FSDP2's one-rank shortcut (torch 2.13's
-    ``FSDPParamGroup.wait_for_unshard``) takes only the first of a tensor subclass's all-gather
-    inputs, where ``NF4Tensor`` has three: the weights stay plain NF4 parameters on the module.
+    With one rank there is nothing to shard or gather, yet FSDP2's one-rank shortcut (torch
+    2.13's ``FSDPParamGroup.wait_for_unshard``) still copies each unit's parameters into a second,
+    unsharded buffer at every forward and again in the backward, and keeps the root's for the
+    whole step. A frozen parameter already in the compute dtype is used as it is: the same values,
+    no copy, no second buffer. That is the whole base of a LoRA or QLoRA run and a preference
+    run's reference (both stored in ``param_dtype``) and a frozen vision tower when the compute
+    dtype is fp32. Trainable parameters stay FSDP2's, which casts them to ``param_dtype`` and
+    reduces their gradients in ``reduce_dtype``. The shortcut also takes only the first of a
+    tensor subclass's all-gather inputs, where ``NF4Tensor`` has three.
     """
     from .qlora import is_nf4
 
     if group_size != 1:
         return set()
-    return {p for p in model.parameters() if is_nf4(p)}
+    return {
+        p
+        for p in model.parameters()
+        if is_nf4(p) or (not p.requires_grad and (param_dtype is None or p.dtype == param_dtype))
+    }
 
 
 TIED_UNIT = "model.language_model.embed_tokens+lm_head"
@@ -375,7 +395,7 @@ def parallelize_model(
     from .model import materialize, output_capture_survives_wrapping
 
     with output_capture_survives_wrapping(model):
-        done.units = apply_fsdp(model, mesh, plan)
+        done.units = apply_fsdp(model, mesh, plan, device)
     apply_prefetch(model, plan)
     if cp_groups is not None:
         from magistral_cli.ops.context_parallel import apply_context_parallel
