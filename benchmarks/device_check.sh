@@ -4,11 +4,12 @@
 #
 #   bash benchmarks/device_check.sh OUT_DIR [LAYERS]
 #   DEVICE=cpu bash benchmarks/device_check.sh OUT_DIR   # the same stages on the CPU (a dry rehearsal)
+#   ONLY="gpu_step gpu_step_lora" bash benchmarks/device_check.sh OUT_DIR   # some stages only
 #
 # Run from the repository root. Python packages the machine image lacks come as wheels in .whl/
 # (benchmarks/README.md says how to download them); they install into /tmp/site, never into the
-# image's environment. Each stage has its own time limit and writes one file under OUT_DIR;
-# a stage that fails does not stop the next.
+# image's environment. Each stage has its own time limit and writes one file under OUT_DIR (8 files
+# in all: a device lease brings back at most 8); a stage that fails does not stop the next.
 set -uo pipefail
 out=${1:?usage: device_check.sh OUT_DIR [LAYERS]}
 layers=${2:-2}
@@ -26,6 +27,9 @@ fi
 stage() {  # stage NAME SECONDS COMMAND...
     local name=$1 limit=$2
     shift 2
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then
+        return 0
+    fi
     local start=$SECONDS
     echo "== $name (limit ${limit}s)"
     timeout "$limit" "$@" >"$out/$name.txt" 2>&1
@@ -44,7 +48,7 @@ stage probes "${PROBES_S:-240}" python3 -m magistral_cli probe all --device "$de
 
 qs=$(mktemp -d)
 python3 -c "from pathlib import Path; from magistral_cli.quickstart import write_assets; write_assets(Path('$qs'), 64)" \
-    >"$out/assets.txt" 2>&1 || echo "assets: failed (see assets.txt)" | tee -a "$out/summary.txt"
+    >>"$out/summary.txt" 2>&1 || echo "assets: failed (see above)" | tee -a "$out/summary.txt"
 tiny() {  # tiny RECIPE DATA_SUBDIR RUN_NAME [OVERRIDES...]: a tiny recipe on one device, 6 steps
     local recipe=$1 data=$2 run=$3
     shift 3
@@ -66,5 +70,9 @@ stage tiny_qlora "${QLORA_S:-180}" bash -c "tiny recipes/tiny/tiny_cpu_qlora.yam
 
 shape=(--layers "$layers" --micro-batch 2 --seq 4096)
 [ "$device" = cpu ] && shape=()  # the tiny default shape: real widths would take hours on a CPU
-stage gpu_step "${STEP_S:-420}" python3 benchmarks/gpu_step.py --device "$device" "${shape[@]}" \
-    --profile "$out" --json "$out/gpu_step.json"
+work=$(mktemp -d)  # the profiles land here, then go into one file
+stage gpu_step "${STEP_S:-420}" python3 benchmarks/gpu_step.py --device "$device" "${shape[@]}" --profile "$work"
+cat "$work"/engine_top_kernels.txt "$work"/bare_top_kernels.txt >"$out/top_kernels.txt" 2>/dev/null
+# The one-GPU case people run: LoRA r 16 on both sides (the engine's frozen base used in place).
+stage gpu_step_lora "${LORA_S:-240}" python3 benchmarks/gpu_step.py --device "$device" "${shape[@]}" --lora 16 \
+    --no-inside

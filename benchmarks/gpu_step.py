@@ -3,6 +3,7 @@
     python benchmarks/gpu_step.py --device cuda                       # real widths, 2 layers, 2 x 4096, bf16
     python benchmarks/gpu_step.py --device cuda --layers 4 --compile  # per-block torch.compile on the engine side
     python benchmarks/gpu_step.py --device cpu                        # tiny widths, 2 x 256, fp32 (CI keeps it working)
+    python benchmarks/gpu_step.py --device cuda --lora 16             # LoRA r 16 on both sides (the one-GPU case)
 
 Both sides train the same shape in one run, one after the other on the same device:
 
@@ -14,6 +15,12 @@ Both sides train the same shape in one run, one after the other on the same devi
   `magistral train --dry-run --json`.
 - **bare**: transformers' `MistralForCausalLM` at the same text widths in this process, fp32
   weights, autocast bf16 on an accelerator, fused AdamW where it runs, `loss.item()` every step.
+
+With `--lora R` both sides train LoRA adapters (rank R, alpha 2R, the seven projections of every
+decoder layer) on a frozen base: the engine through `model.lora` (base stored in bf16 on an
+accelerator), the bare loop through PEFT's `get_peft_model` on a bf16 base (PEFT keeps the adapters
+in fp32) under autocast. The FLOPs keep the 6N convention on both sides (a frozen weight has no
+weight-gradient product, so the device does about 2/3 of it): the ratio compares like with like.
 - **inside** (`--inside`, on by default): the engine's `Trainer` in this process for a few steps,
   to count host synchronisations per step (`torch.cuda.set_sync_debug_mode` on CUDA, value lineage
   on the CPU: `magistral_cli.testing.host_sync`) and, with `--profile`, the top kernels of one
@@ -45,6 +52,9 @@ PUBLISHED_CONFIG = REPO / "tests" / "fixtures" / "magistral-small-2509" / "confi
 
 
 # ---------------------------------------------------------------------------------- model and recipe
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
 def write_model_dir(directory: Path, widths: str, layers: int) -> dict:
     """config.json for the benchmark's model (no weights: both sides start from random ones)."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -92,6 +102,11 @@ def engine_recipe(args, model_dir: Path, run_dir: Path) -> dict:
             "attn_implementation": "sdpa",
             "freeze": ["model.vision_tower", "model.multi_modal_projector"],
             "compile": args.compile,
+            **(
+                {"lora": {"r": args.lora, "alpha": 2 * args.lora, "target_modules": LORA_TARGETS}}
+                if args.lora
+                else {}
+            ),
         },
         "features": {"loss_cfg": {"loss_type": "per_token_loss"}},
         "training": {
@@ -218,8 +233,18 @@ class BareLoop:
         torch.manual_seed(0)
         with self.device:
             self.model = MistralForCausalLM(cfg).float().train()
+        if args.lora:
+            from peft import LoraConfig, get_peft_model
+
+            if self.device.type != "cpu":
+                self.model = self.model.to(torch.bfloat16)  # the frozen base in bf16; PEFT's adapters fp32
+            lora = LoraConfig(
+                r=args.lora, lora_alpha=2 * args.lora, target_modules=LORA_TARGETS, lora_dropout=0.0
+            )
+            self.model = get_peft_model(self.model, lora).train()
         fused = self.device.type != "cpu"
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, fused=fused, foreach=not fused)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(trainable, lr=1e-5, fused=fused, foreach=not fused)
         self.autocast = self.device.type != "cpu"
         g = torch.Generator().manual_seed(1)
         self.batch = torch.randint(1000, cfg.vocab_size, (args.micro_batch, args.seq), generator=g).to(
@@ -362,6 +387,7 @@ def main() -> None:
     parser.add_argument(
         "--compile", action="store_true", help="the engine compiles each block (model.compile)"
     )
+    parser.add_argument("--lora", type=int, metavar="R", help="train LoRA adapters of rank R on both sides")
     parser.add_argument("--peak-tflops", type=float, help="bf16 peak per device (default: the known table)")
     parser.add_argument("--no-inside", dest="inside", action="store_false", help="skip the sync count")
     parser.add_argument("--profile", metavar="DIR", help="write each side's top kernels of one step here")
@@ -391,7 +417,8 @@ def main() -> None:
             peak = peak_tflops_of(torch.cuda.get_device_name(0))
         print(
             f"shape: {args.widths} widths, {args.layers} decoder layers, {args.micro_batch} x {args.seq} tokens, "
-            f"{'bf16' if args.device != 'cpu' else 'fp32'} on {args.device}; "
+            + (f"LoRA r {args.lora}, " if args.lora else "")
+            + f"{'bf16' if args.device != 'cpu' else 'fp32'} on {args.device}; "
             f"{flops_per_token / 1e9:.2f} GFLOP per token; peak {_fmt(peak)} TFLOP/s",
             flush=True,
         )

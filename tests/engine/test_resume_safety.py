@@ -16,7 +16,7 @@ from magistral_cli.engine import checkpoint as ckpt
 from magistral_cli.engine.trainer import Trainer
 from magistral_cli.errors import CheckFailed, UserError
 
-from .helpers import make_recipe, write_tiny_model
+from .helpers import full_params, make_recipe, write_tiny_model
 
 STEPS = 6
 
@@ -157,7 +157,7 @@ def test_a_non_finite_step_stops_before_its_update_and_writes_no_checkpoint(base
             CheckFailed, match=r"step 3: .* is not finite; the update was not applied"
         ) as info:
             trainer.train()
-        params_finite = all(p.full_tensor().isfinite().all() for p in trainer.model.parameters())
+        params_finite = all(p.isfinite().all() for p in full_params(trainer.model).values())
     finally:
         trainer.close()
     assert "skip_nonfinite_steps" in str(info.value)
@@ -183,8 +183,6 @@ def test_skip_nonfinite_steps_skips_and_logs(base_run, tmp_path):
 def _lora_base(model_dir: Path, run_dir: Path, load: Path) -> dict:
     """A LoRA trainer whose base comes from ``load``: its frozen base weights, by base name."""
     from magistral_cli.engine import lora
-
-    from .helpers import full_params
 
     overrides = [
         f"training.load={load}",
