@@ -43,19 +43,15 @@ MODELS = {
 
 
 def _rss_kib() -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
+    from magistral_cli.testing.memory import status_bytes
+
+    return status_bytes("VmRSS") // 1024
 
 
 def _hwm_kib() -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return 0
+    from magistral_cli.testing.memory import status_bytes
+
+    return status_bytes("VmHWM") // 1024
 
 
 def _local_bytes(tensors) -> int:
@@ -75,6 +71,7 @@ def _rank(rank: int, model_dir: str, run_dir: str, mode: str, steps: int, seq: i
 
     from magistral_cli.config.loader import validate_recipe
     from magistral_cli.engine.trainer import Trainer
+    from magistral_cli.testing.memory import reset_peak
 
     model_cfg: dict = {
         "model_name_or_path": model_dir,
@@ -103,8 +100,7 @@ def _rank(rank: int, model_dir: str, run_dir: str, mode: str, steps: int, seq: i
         }
     )
     start_rss = _rss_kib()
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-        f.write("5")  # the high-water mark restarts here
+    reset_peak()  # the high-water mark restarts here
     trainer = Trainer(recipe)
     build_peak = _hwm_kib() - start_rss
     try:

@@ -54,27 +54,21 @@ class OpCount(TorchDispatchMode):
         return out
 
 
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def _side(rank: int, mode: str, overrides: list[str], steps: int) -> dict:
     """One side, on a fresh process in a one-rank group."""
     from magistral_cli.config import load_recipe
     from magistral_cli.engine import parallelize
     from magistral_cli.engine.qlora import is_nf4
     from magistral_cli.engine.trainer import Trainer
+    from magistral_cli.testing.memory import reset_peak, status_bytes
 
     if mode == "gathered":
         parallelize.left_unsharded = lambda model, group_size, dtype: {
             p for p in model.parameters() if is_nf4(p)
         }
     recipe = load_recipe(TINY_LORA, overrides)
-    baseline = _status("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts here
+    baseline = status_bytes("VmRSS")
+    reset_peak()
     trainer = Trainer(recipe)
     try:
         losses, times = [], []
@@ -93,7 +87,7 @@ def _side(rank: int, mode: str, overrides: list[str], steps: int) -> dict:
         "step_ms": statistics.median(times[1:]) * 1000,
         "ops": counter.count,
         "copied_mib": counter.copied / 2**20,
-        "peak_mib": (_status("VmHWM") - baseline) / 2**20,
+        "peak_mib": (status_bytes("VmHWM") - baseline) / 2**20,
         "losses": losses,
         "fsdp_managed": managed,
     }

@@ -95,10 +95,9 @@ RSS_BUDGET_GIB = 19.0
 
 
 def _status_gib(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) / 2**20
-    raise RuntimeError(f"no {field} in /proc/self/status")
+    from magistral_cli.testing.memory import status_bytes
+
+    return status_bytes(field) / 2**30
 
 
 def _vmhwm_gib() -> float:

@@ -224,16 +224,10 @@ class FullLengthBatches(SyntheticBatches):
         return {"input_ids": ids, "labels": labels, "image": image}
 
 
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def _measure_worker(rank: int, recipe_path: str, overrides: list[str], steps: int) -> dict:
     """On a rank already in the 2-process group (1 thread): the memory figures of training."""
     from magistral_cli.engine.trainer import Trainer
+    from magistral_cli.testing.memory import reset_peak, status_bytes
 
     recipe = load_recipe(recipe_path, overrides)
     train = recipe.training
@@ -248,10 +242,10 @@ def _measure_worker(rank: int, recipe_path: str, overrides: list[str], steps: in
         dp_size=2,
         seed=train.seed,
     )
-    baseline = _status("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts here
+    baseline = status_bytes("VmRSS")
+    reset_peak()  # the high-water mark restarts here
     trainer = Trainer(recipe, data=data)
-    built = _status("VmRSS") - baseline
+    built = status_bytes("VmRSS") - baseline
     try:
         trainer.train(max_steps=steps)
     finally:
@@ -259,8 +253,8 @@ def _measure_worker(rank: int, recipe_path: str, overrides: list[str], steps: in
     return {
         "baseline": baseline,
         "built": built,  # parameter shards, loaded
-        "peak": _status("VmHWM") - baseline,
-        "after": _status("VmRSS") - baseline,  # parameters and optimizer states (grads are freed)
+        "peak": status_bytes("VmHWM") - baseline,
+        "after": status_bytes("VmRSS") - baseline,  # parameters and optimizer states (grads are freed)
     }
 
 
