@@ -133,6 +133,10 @@ def apply_fsdp(
     ignored = left_unsharded(model, mesh.size(), policy.param_dtype)
     if ignored:
         kwargs["ignored_params"] = ignored
+        log.info(
+            "one rank: %s frozen parameter elements used in place, not gathered by FSDP2",
+            f"{sum(p.numel() for p in ignored):,}",
+        )
         with torch.no_grad():
             for param in ignored:
                 if device is not None and not param.is_meta and param.device != device:

@@ -9,6 +9,7 @@ any number of ranks, both ways.
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import pytest
@@ -118,7 +119,7 @@ def test_one_rank_leaves_frozen_weights_plain_and_its_checkpoints_resume_on_two_
     _same(two[0]["trained"], loaded)
 
 
-def test_a_one_rank_lora_run_gathers_only_its_adapters(tmp_path):
+def test_a_one_rank_lora_run_gathers_only_its_adapters(tmp_path, caplog):
     """The whole base (decoder, embedding, head, vision tower) is used in place; FSDP2 manages the
     adapters, which train as on more ranks (tests/engine/test_lora_fsdp.py)."""
     from magistral_cli.engine import lora
@@ -126,8 +127,11 @@ def test_a_one_rank_lora_run_gathers_only_its_adapters(tmp_path):
     model_dir = tmp_path / "model"
     write_tiny_model(model_dir)
     lora_overrides = ["model.lora.r=4", "model.lora.alpha=8", "model.lora.target_modules=[q_proj,v_proj]"]
+    caplog.set_level(logging.INFO, logger="magistral_cli.engine.parallelize")
     losses, params, plain = _train(_recipe(model_dir, tmp_path / "run", lora_overrides, train_iters=2))
     managed = {n for n, is_plain in plain.items() if not is_plain}
+    base = sum(v.numel() for n, v in params.items() if n not in managed)
+    assert f"one rank: {base:,} frozen parameter elements used in place" in caplog.text
     assert managed and all(lora.is_adapter_key(n) for n in managed)
     assert {n for n in plain if lora.is_adapter_key(n)} == managed
     assert all(torch.isfinite(torch.tensor(losses)))
