@@ -489,7 +489,8 @@ def optimizer_items(shape: ModelShape, s: PlanSettings) -> list[MemoryItem]:
 def all_gather_buffers(shape: ModelShape, s: PlanSettings) -> MemoryItem:
     """The largest unit unsharded in ``p``, once computing and once per unit gathered ahead."""
     p, quant = s.p, shape.quant
-    left_alone = s.frozen_bytes == p  # frozen weights in the compute dtype: not gathered on one rank
+    # Frozen weights stored in the compute dtype (any, when FSDP2 does not cast): not gathered on one rank.
+    left_alone = s.param_dtype is None or (s.frozen_param_dtype or "fp32") == s.param_dtype
 
     def gathered_bytes(unit: UnitShape) -> int:
         return unit.gathered_bytes(p, quant, s.world_size, left_alone)

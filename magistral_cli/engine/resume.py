@@ -298,15 +298,15 @@ def training_checkpoint_to_load(path: Path, what: str = "training.load") -> Path
     is never taken as good; a LoRA one (adapters only) is never starting weights (``UserError``).
     """
     if ckpt.is_training_checkpoint(path):
+        # The cheap refusal first: a LoRA checkpoint is refused before every file is read.
+        lora_mod.refuse_lora_checkpoint_as_load(str(path), "dcp", what=what)
+        # (verify_checkpoint counts a training checkpoint without its integrity record as a problem.)
         result = verify_on_all_ranks(path)
         if not result.ok:
             raise CheckFailed(f"{what} {path} is a damaged checkpoint: " + "; ".join(result.problems[:5]))
-        if not result.recorded and dist.get_rank() == 0:
-            log.warning("%s: %s has no integrity record (an older save); not verified", what, path)
-        chosen = path
-    elif (found := ckpt.checkpoints_dir(path)) is not None:
-        chosen = choose_checkpoint(found, what=what)
-    else:
+        return path
+    if (found := ckpt.checkpoints_dir(path)) is None:
         return None
+    chosen = choose_checkpoint(found, what=what)
     lora_mod.refuse_lora_checkpoint_as_load(str(chosen), "dcp", what=what)
     return chosen

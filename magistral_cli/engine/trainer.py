@@ -226,12 +226,11 @@ class Trainer:
         source = reference_source(recipe)
         if source is None:
             return None
-        from .lora import refuse_lora_checkpoint_as_load
         from .weights import load_weights
 
         what = "training.dpo.ref_model" if recipe.training.dpo.ref_model is not None else "training.load"
-        refuse_lora_checkpoint_as_load(source, what=what)
-        # A training checkpoint (or a directory of them) is verified first, as the policy's start is.
+        # A training checkpoint (or a directory of them) is verified first, as the policy's start is;
+        # a LoRA one is refused.
         checkpoint = training_checkpoint_to_load(Path(source), what=what)
         # A fresh config (the policy's build set its attention names on the shared one), and the
         # RNG forked: the policy's initialisation and data order stay as they are without it.
