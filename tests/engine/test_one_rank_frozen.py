@@ -44,7 +44,7 @@ def _train(recipe, steps=None) -> tuple[list[float], dict[str, torch.Tensor], di
 
 
 def test_the_rule():
-    model = write_tiny_model_in_memory()
+    model = _meta_model()
     model.model.vision_tower.requires_grad_(False)
     frozen = {p for p in model.model.vision_tower.parameters()}
     assert left_unsharded(model, 1, torch.float32) == frozen
@@ -56,7 +56,7 @@ def test_the_rule():
     assert left_unsharded(model, 1, torch.bfloat16) == frozen
 
 
-def write_tiny_model_in_memory():
+def _meta_model():
     from magistral_cli.engine.model import build_model
     from magistral_cli.testing.tiny_model import tiny_mistral3_config
 
