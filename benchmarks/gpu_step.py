@@ -4,6 +4,7 @@
     python benchmarks/gpu_step.py --device cuda --layers 4 --compile  # per-block torch.compile on the engine side
     python benchmarks/gpu_step.py --device cpu                        # tiny widths, 2 x 256, fp32 (CI keeps it working)
     python benchmarks/gpu_step.py --device cuda --lora 16             # LoRA r 16 on both sides (the one-GPU case)
+    python benchmarks/gpu_step.py --device cuda --no-reshard          # the engine with reshard_after_forward: false
 
 Both sides train the same shape in one run, one after the other on the same device:
 
@@ -88,6 +89,7 @@ def engine_recipe(args, model_dir: Path, run_dir: Path) -> dict:
                 ],
                 "param_dtype": "bf16" if accel else "fp32",
                 "reduce_dtype": "fp32",
+                "reshard_after_forward": args.reshard_after_forward,
             },
         },
         "data": {
@@ -388,6 +390,13 @@ def main() -> None:
         "--compile", action="store_true", help="the engine compiles each block (model.compile)"
     )
     parser.add_argument("--lora", type=int, metavar="R", help="train LoRA adapters of rank R on both sides")
+    parser.add_argument(
+        "--no-reshard",
+        dest="reshard_after_forward",
+        action="store_false",
+        help="the engine with reshard_after_forward: false (every unit gathered from its forward to its "
+        "backward: no second cast and copy in the backward, for 2 more bytes per trainable parameter)",
+    )
     parser.add_argument("--peak-tflops", type=float, help="bf16 peak per device (default: the known table)")
     parser.add_argument("--no-inside", dest="inside", action="store_false", help="skip the sync count")
     parser.add_argument("--profile", metavar="DIR", help="write each side's top kernels of one step here")
@@ -418,6 +427,7 @@ def main() -> None:
         print(
             f"shape: {args.widths} widths, {args.layers} decoder layers, {args.micro_batch} x {args.seq} tokens, "
             + (f"LoRA r {args.lora}, " if args.lora else "")
+            + ("engine without reshard_after_forward, " if not args.reshard_after_forward else "")
             + f"{'bf16' if args.device != 'cpu' else 'fp32'} on {args.device}; "
             f"{flops_per_token / 1e9:.2f} GFLOP per token; peak {_fmt(peak)} TFLOP/s",
             flush=True,
