@@ -284,6 +284,18 @@ def _text(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def forward_tail_modules(config) -> tuple[str, ...]:
+    """The modules whose forwards run last, in this order: the last decoder layer, the final norm
+    and the output head. The backward starts with them, in the reverse order."""
+    last = _text(config).num_hidden_layers - 1
+    return (f"model.language_model.layers.{last}", "model.language_model.norm", "lm_head")
+
+
+def in_forward_tail(name: str, tail: tuple[str, ...]) -> bool:
+    """Whether the module ``name`` is one of ``tail`` (:func:`forward_tail_modules`) or inside one."""
+    return any(name == t or name.startswith(f"{t}.") for t in tail)
+
+
 def _head_dim(text) -> int:
     return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 

@@ -150,8 +150,13 @@ class FSDPPlan(Section):
     pregather: bool = Field(
         False, description="MindSpeed-MM pre-gather switch; accepted for compatibility, unused."
     )
-    reshard_after_forward: bool = Field(
-        True, description="Free the gathered parameters after forward and gather again in backward (ZeRO-3)."
+    reshard_after_forward: Union[bool, Literal["always"]] = Field(
+        True,
+        description="Free the gathered parameters after forward and gather again in backward (ZeRO-3). "
+        "Addition: true keeps the forward's tail (the last decoder layer, the final norm, the head) gathered "
+        "until its backward, which starts with it, as FSDP2 keeps its root; 'always' frees every unit, the "
+        "tail and the root too (the least memory: about one decoder layer less at the loss, for an all-gather "
+        "more); false frees none until its backward.",
     )
     defer_grad_sync: bool = Field(
         False,
@@ -162,6 +167,13 @@ class FSDPPlan(Section):
             "after every micro-batch, so ranks hold only their gradient shards."
         ),
     )
+
+    @field_validator("reshard_after_forward", mode="before")
+    @classmethod
+    def _reshard_values(cls, value):
+        if value is True or value is False or value == "always":
+            return value
+        raise ValueError(f"must be true, false or 'always', got {value!r}")
 
 
 class Parallel(Section):

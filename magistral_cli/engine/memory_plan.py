@@ -39,6 +39,11 @@ Transient, on the device, in three phases (the peak is the largest phase):
   implicitly in the backward). Sized by the largest unit: ``(1 + ahead) x padded numel x p``.
   On one rank the frozen parameters stored in ``p`` (a LoRA base; any frozen one when ``p`` is 4)
   are used in place and not counted (``parallelize.left_unsharded``).
+- **units held from forward to backward** (the loss phase only): the root and the forward's tail
+  (the last decoder layer, the final norm, the head: ``parallelize.keep_forward_tail_gathered``)
+  stay gathered until their backward, and with ``reshard_after_forward: false`` every unit does.
+  They are all gathered at the backward's start; where that is more than the all-gather buffers,
+  the difference is this item. Each is resharded when its own backward ends.
 - **unit gradients in flight**: the unit's unsharded gradients (``p``, autograd's output) and its
   reduce-scatter input (``r``, kept until the next unit's reduce-scatter):
   ``trainable numel x p + padded trainable numel x r`` of the largest trainable unit.
@@ -103,7 +108,12 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from magistral_cli.model_config import parameter_counts, unique_parameters
+from magistral_cli.model_config import (
+    forward_tail_modules,
+    in_forward_tail,
+    parameter_counts,
+    unique_parameters,
+)
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -134,6 +144,9 @@ class UnitShape:
     quantized_numel: int = 0
     #: Of ``padded_numel``, the frozen elements that are not NF4.
     frozen_padded_numel: int = 0
+    #: Held gathered from its forward to its backward even when the plan reshards after the
+    #: forward: the root, and the forward's tail (``parallelize.keep_forward_tail_gathered``).
+    kept: bool = False
 
     def gathered_bytes(
         self, p: int, quant: QuantShape | None, world: int = 2, frozen_left_alone: bool = False
@@ -237,6 +250,9 @@ class PlanSettings:
     num_to_forward_prefetch: int = 0
     num_to_backward_prefetch: int = 0
     defer_grad_sync: bool = False
+    #: ``parallel.fsdp_plan.reshard_after_forward``: true, the root and the forward's tail stay
+    #: gathered from their forward to their backward; false, every unit; "always", none.
+    reshard_after_forward: bool | str = True
     #: Dtype the frozen parameters are stored in (LoRA: ``param_dtype``); None = fp32 like the rest.
     frozen_param_dtype: str | None = None
     device_memory_bytes: int | None = None
@@ -486,8 +502,10 @@ def optimizer_items(shape: ModelShape, s: PlanSettings) -> list[MemoryItem]:
     ]
 
 
-def all_gather_buffers(shape: ModelShape, s: PlanSettings) -> MemoryItem:
-    """The largest unit unsharded in ``p``, once computing and once per unit gathered ahead."""
+def all_gather_buffers(shape: ModelShape, s: PlanSettings) -> list[MemoryItem]:
+    """The largest unit unsharded in ``p``, once computing and once per unit gathered ahead; and
+    at the backward's start, the units held gathered since their forward when they are more (the
+    root and the forward's tail; every unit without ``reshard_after_forward``)."""
     p, quant = s.p, shape.quant
     # Frozen weights stored in the compute dtype (any, when FSDP2 does not cast): not gathered on one rank.
     left_alone = s.param_dtype is None or (s.frozen_param_dtype or "fp32") == s.param_dtype
@@ -503,13 +521,42 @@ def all_gather_buffers(shape: ModelShape, s: PlanSettings) -> MemoryItem:
     )
     if s.world_size == 1 and left_alone and largest.frozen_padded_numel:
         detail += f", {largest.frozen_padded_numel:,} frozen ones used in place"
-    return _item(
-        "all_gather",
-        f"all-gather buffers ({p}-byte params{', NF4 base' if quant is not None else ''})",
-        (1 + ahead) * gathered,
-        ("loss", "backward"),
-        f"(1 + {ahead} ahead) x {gathered:,} B ({largest.padded_numel:,} elements{detail}; {_short(largest.name)})",
-    )
+    streaming = (1 + ahead) * gathered
+    items = [
+        _item(
+            "all_gather",
+            f"all-gather buffers ({p}-byte params{', NF4 base' if quant is not None else ''})",
+            streaming,
+            ("loss", "backward"),
+            f"(1 + {ahead} ahead) x {gathered:,} B ({largest.padded_numel:,} elements{detail}; {_short(largest.name)})",
+        )
+    ]
+    # Held from forward to backward: together at the backward's start (the loss phase); each is
+    # resharded once its own backward ends, so none of it is left at the backward's end.
+    held_units = {
+        True: [u for u in shape.units if u.kept],
+        False: list(shape.units),
+        "always": [],
+    }[s.reshard_after_forward]
+    held = sum(gathered_bytes(u) for u in held_units)
+    if held > streaming:
+        which = (
+            "every unit (reshard_after_forward off)"
+            if not s.reshard_after_forward
+            else "the root and the forward's tail ("
+            + ", ".join(u.name.removeprefix("model.") for u in held_units)
+            + ")"
+        )
+        items.append(
+            _item(
+                "held_gathered",
+                "units held gathered from forward to backward",
+                held - streaming,
+                ("loss",),
+                f"{which}: {held:,} B, less the all-gather buffers",
+            )
+        )
+    return items
 
 
 def dequant_workspace(shape: ModelShape, s: PlanSettings) -> list[MemoryItem]:
@@ -715,7 +762,7 @@ def estimate(shape: ModelShape, s: PlanSettings) -> MemoryPlan:
         *reference_shards(shape, s),
         gradient_shards(shape, s),
         *optimizer_items(shape, s),
-        all_gather_buffers(shape, s),
+        *all_gather_buffers(shape, s),
         *dequant_workspace(shape, s),
         unit_gradients(shape, s),
         *activation_items(shape, s),
@@ -823,7 +870,14 @@ def model_shape(
             vision_trainable |= name.startswith("model.vision_tower.")
         elif name not in nf4_names:
             acc[5] += padded
-    unit_shapes = tuple(UnitShape(u, *acc) for u, acc in unit_acc.items() if acc[0])
+    # Held from forward to backward whatever the plan: the root, and with a trainable model the
+    # forward's tail (``parallelize.keep_forward_tail_gathered``).
+    tail = forward_tail_modules(model.config) if counts["trainable"] else ()
+    unit_shapes = tuple(
+        UnitShape(u, *acc, kept=u == "(root)" or in_forward_tail(u, tail))
+        for u, acc in unit_acc.items()
+        if acc[0]
+    )
     text = model.config.text_config
     layer_names = [n for n, _ in model.named_modules() if _LAYER.match(n) and "language_model" in n]
     recomputed_set = tuple(recomputed)
@@ -924,6 +978,7 @@ def settings_from_recipe(
         num_to_forward_prefetch=plan.num_to_forward_prefetch,
         num_to_backward_prefetch=plan.num_to_backward_prefetch,
         defer_grad_sync=plan.defer_grad_sync,
+        reshard_after_forward=plan.reshard_after_forward,
         # LoRA keeps the frozen base in the compute dtype (engine.lora.apply_lora_from_recipe).
         frozen_param_dtype=(plan.param_dtype or "fp32") if recipe.model.lora is not None else None,
         device_memory_bytes=memory,

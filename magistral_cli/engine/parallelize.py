@@ -141,14 +141,47 @@ def apply_fsdp(
             for param in ignored:
                 if device is not None and not param.is_meta and param.device != device:
                     param.data = param.data.to(device)
+    reshard = plan.reshard_after_forward
     for _, module in units:
-        fully_shard(module, reshard_after_forward=plan.reshard_after_forward, **kwargs)
+        fully_shard(module, reshard_after_forward=bool(reshard), **kwargs)
     # The root last: it owns what no unit took, lazy init and the backward's final callback.
-    # Unless resharding is off everywhere, let FSDP keep the root gathered after the forward
-    # (its heuristic for None): the backward needs the root's parameters (the output head)
-    # first, so freeing them would only buy an immediate second all-gather.
-    fully_shard(model, reshard_after_forward=None if plan.reshard_after_forward else False, **kwargs)
+    # By default FSDP keeps the root gathered after the forward (its heuristic for None): the
+    # backward needs the root's parameters (the output head) first, so freeing them would only
+    # buy an immediate second all-gather. "always" frees it too; false keeps every unit.
+    fully_shard(model, reshard_after_forward={True: None, False: False, "always": True}[reshard], **kwargs)
+    if reshard is True:
+        kept = keep_forward_tail_gathered(model)
+        if kept:
+            log.info("kept gathered from forward to backward: %s", ", ".join(kept))
     return units
+
+
+def keep_forward_tail_gathered(model: nn.Module) -> list[str]:
+    """Leave the units of the forward's tail (the last decoder layer, the final norm, the output
+    head, and any unit inside them: ``model_config.forward_tail_modules``) gathered from their
+    forward to their backward; return their names, in forward order.
+
+    The backward starts with exactly these units, so resharding them after the forward would only
+    buy an immediate second all-gather of the same values (on one rank, a second cast and copy).
+    FSDP2 already keeps the root so; torchtitan keeps its last block and its norm and head. The
+    memory plan counts them held together at the start of the backward. Only for a model that
+    trains: a unit whose forward has no backward (a preference run's separate reference model)
+    would stay gathered until the next save.
+    """
+    from magistral_cli.model_config import forward_tail_modules, in_forward_tail
+
+    config = getattr(model, "config", None)
+    if config is None or not any(p.requires_grad for p in model.parameters()):
+        return []
+    tail = forward_tail_modules(config)
+    names = {id(m): n for n, m in model.named_modules()}
+    kept = []
+    for unit in fsdp_units_in_order(model):
+        name = names.get(id(unit), "")
+        if in_forward_tail(name, tail):
+            unit.set_reshard_after_forward(False, recurse=False)
+            kept.append(name)
+    return kept
 
 
 def left_unsharded(model: nn.Module, group_size: int, param_dtype: torch.dtype | None) -> set[nn.Parameter]:

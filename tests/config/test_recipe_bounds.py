@@ -39,6 +39,10 @@ def _recipe(*overrides: str):
             f"{BASIC}.cutoff_len: Input should be less than or equal to {TOKENS_MAX}",
         ),
         ("model.attn_implementation=flash", "model.attn_implementation: 'flash' is not supported; use sdpa"),
+        (
+            "parallel.fsdp_plan.reshard_after_forward=sometimes",
+            "parallel.fsdp_plan.reshard_after_forward: must be true, false or 'always', got 'sometimes'",
+        ),
     ],
 )
 def test_out_of_range_values_name_the_key(override, message):
@@ -53,6 +57,9 @@ def test_the_bounds_themselves_are_accepted():
     )
     assert recipe.training.seed == SEED_MAX and recipe.training.train_iters == INT64_MAX
     assert _recipe("training.seed=0").training.seed == 0
+    for value in (True, False, "always"):
+        plan = _recipe(f"parallel.fsdp_plan.reshard_after_forward={str(value).lower()}").parallel.fsdp_plan
+        assert plan.reshard_after_forward == value
 
 
 def test_a_packed_micro_batch_must_fit_the_int32_attention_offsets():

@@ -9,8 +9,6 @@ what is prefetched.
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
 from magistral_cli.config.schema import FSDPPlan
@@ -22,18 +20,9 @@ from magistral_cli.engine.parallelize import (
     prefetch_plan,
 )
 from magistral_cli.engine.synthetic import SyntheticBatches
-from magistral_cli.runtime import init_distributed
 from magistral_cli.testing.tiny_model import build_tiny_model, tiny_mistral3_config
 
 VOCAB = 512
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    _, created = init_distributed("cpu")
-    yield init_device_mesh("cpu", (1,))
-    if created:
-        dist.destroy_process_group()
 
 
 def _sharded(mesh, tie=None, **plan):
