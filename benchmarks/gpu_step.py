@@ -24,8 +24,14 @@ in fp32) under autocast. The FLOPs keep the 6N convention on both sides (a froze
 weight-gradient product, so the device does about 2/3 of it): the ratio compares like with like.
 - **inside** (`--inside`, on by default): the engine's `Trainer` in this process for a few steps,
   to count host synchronisations per step (`torch.cuda.set_sync_debug_mode` on CUDA, value lineage
-  on the CPU: `magistral_cli.testing.host_sync`) and, with `--profile`, the top kernels of one
-  step of each side (torch.profiler).
+  on the CPU: `magistral_cli.testing.host_sync`) and, with `--profile`, the top kernels of two
+  steps of each side (torch.profiler).
+
+With `--profile DIR` each side also reports its device time over two more steps after the timed
+ones (`magistral_cli.engine.trace_gaps`): busy and idle time, the idle gaps, how much of them the
+device spent waiting for the host to launch work, and where the host was for the longest ones. The
+engine's comes from its own `tools.profile` trace of the real training loop (data, logging and the
+step's one read included), the bare loop's from the same profiler in this process.
 
 Widths: `real` reads the published config.json (hidden 5120, 32 heads, 8 KV heads, intermediate
 32768, vocab 131072, untied head) and keeps `--layers` decoder layers; `tiny` is the test model's
@@ -54,6 +60,9 @@ PUBLISHED_CONFIG = REPO / "tests" / "fixtures" / "magistral-small-2509" / "confi
 
 # ---------------------------------------------------------------------------------- model and recipe
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+#: Steps profiled on each side with --profile: two, so that a step boundary (the loop's own host work
+#: between one step's last kernel and the next one's first) is in the trace.
+PROFILED_STEPS = 2
 
 
 def write_model_dir(directory: Path, widths: str, layers: int) -> dict:
@@ -114,7 +123,8 @@ def engine_recipe(args, model_dir: Path, run_dir: Path) -> dict:
         "training": {
             "micro_batch_size": args.micro_batch,
             "gradient_accumulation_steps": 1,
-            "train_iters": args.warmup + args.steps,
+            # With --profile, two more steps under tools.profile (not timed): the trace of the real loop.
+            "train_iters": args.warmup + args.steps + (PROFILED_STEPS if args.profile else 0),
             "lr": 1.0e-5,
             "lr_decay_style": "constant",
             "init_model_with_meta_device": False,
@@ -124,7 +134,22 @@ def engine_recipe(args, model_dir: Path, run_dir: Path) -> dict:
             "resume": "never",
             "output_dir": str(run_dir),
         },
-        "tools": {"peak_tflops": args.peak_tflops},
+        "tools": {
+            "peak_tflops": args.peak_tflops,
+            **(
+                {
+                    "profile": {
+                        "enable": True,
+                        "static_param": {
+                            "start_step": args.warmup + args.steps + 1,
+                            "end_step": args.warmup + args.steps + 1 + PROFILED_STEPS,
+                        },
+                    }
+                }
+                if args.profile
+                else {}
+            ),
+        },
     }
 
 
@@ -163,7 +188,9 @@ def run_engine(args, work: Path, model_dir: Path) -> dict:
             f"magistral train failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}"
         )
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    steps = [r for r in lines if r.get("split") is None and r["step"] > args.warmup]
+    steps = [
+        r for r in lines if r.get("split") is None and args.warmup < r["step"] <= args.warmup + args.steps
+    ]
     if not steps:
         raise SystemExit("the engine logged no step after the warm-up")
     step_ms = statistics.median(r["step_time_ms"] for r in steps)
@@ -183,7 +210,26 @@ def run_engine(args, work: Path, model_dir: Path) -> dict:
         ),
         "losses": [r["loss"] for r in lines if r.get("split") is None],
         "wall_s": wall,
+        "device_time": _engine_device_time(args, run_dir),
     }
+
+
+def _engine_device_time(args, run_dir: Path) -> list[str] | None:
+    """The device-time report of the engine run's profiled steps (``tools.profile``'s trace)."""
+    if not args.profile:
+        return None
+    first = args.warmup + args.steps + 1
+    trace = run_dir / "profiling" / f"rank0_steps{first}-{first + PROFILED_STEPS - 1}.json"
+    if not trace.is_file():
+        return [f"no trace at {trace}"]
+    return _device_time_lines(trace)
+
+
+def _device_time_lines(trace: Path) -> list[str]:
+    from magistral_cli.engine.trace_gaps import device_time
+
+    report = device_time(trace)
+    return ["no device work in the trace"] if report is None else report.lines(steps=PROFILED_STEPS)
 
 
 def shutil_rmtree(path: Path) -> None:
@@ -276,7 +322,7 @@ def run_bare(args, config: dict) -> dict:
     bare = BareLoop(args, config)
     times = [bare.step() for _ in range(args.warmup + args.steps)][args.warmup :]
     peak = _peak_gib(device)
-    profile = _profile(args, "bare", bare.step) if args.profile else None
+    profile, device_time = _profile(args, "bare", bare.step) if args.profile else (None, None)
     bare.close()
     _reset_peak(device)  # hand the cached blocks back before the next side builds its model
     step = statistics.median(times)
@@ -287,12 +333,14 @@ def run_bare(args, config: dict) -> dict:
         "tokens_per_step": tokens,
         "peak_gib": peak,
         "profile": profile,
+        "device_time": device_time,
     }
 
 
 # ---------------------------------------------------------------------------------- inside the engine
-def _profile(args, name: str, step) -> str:
-    """The top kernels of one profiled step (after the timed ones), as torch.profiler's table."""
+def _profile(args, name: str, step) -> tuple[str, list[str]]:
+    """The top kernels of ``PROFILED_STEPS`` profiled steps (after the timed ones), as torch.profiler's
+    table, after their device-time report (``engine.trace_gaps``)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -300,10 +348,15 @@ def _profile(args, name: str, step) -> str:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     _synchronize(device)
     with profile(activities=activities) as prof:
-        step()
+        for _ in range(PROFILED_STEPS):
+            step()
         _synchronize(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        device_time = _device_time_lines(trace)
     averages = prof.key_averages()
-    tables = []
+    tables = [f"{name}, {PROFILED_STEPS} steps:", *device_time, ""]
     # By device time (what the kernels cost) and by host time (what launching them costs: a step
     # whose host time exceeds its device time leaves the device idle).
     for sort in (["cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
@@ -313,7 +366,7 @@ def _profile(args, name: str, step) -> str:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(tables))
     del torch
-    return str(out)
+    return str(out), device_time
 
 
 def run_inside(args, work: Path, model_dir: Path) -> dict:
@@ -359,7 +412,7 @@ def run_inside(args, work: Path, model_dir: Path) -> dict:
                     sites[key] = sites.get(key, 0) + n
         profile = None
         if args.profile:
-            profile = _profile(args, "engine", lambda: trainer.train_step([trainer._next_micro_batch()]))
+            profile, _ = _profile(args, "engine", lambda: trainer.train_step([trainer._next_micro_batch()]))
     finally:
         trainer.close()
         gc.collect()
@@ -469,6 +522,9 @@ def main() -> None:
         )
     if args.profile:
         print(f"top kernels: {b.get('profile')}, {results.get('inside', {}).get('profile')}")
+        for side, what in (("engine", "magistral train"), ("bare", "bare loop")):
+            print(f"device time, {side} ({what}), {PROFILED_STEPS} profiled steps after the timed ones:")
+            print("\n".join(f"  {x}" for x in results[side].get("device_time") or []))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
 

@@ -134,6 +134,12 @@ class StepProfiler:
         self._prof.export_chrome_trace(str(self.written))
         self._prof = None
         log.info("profile written to %s", self.written)
+        if self.device_type == "cuda":
+            from .trace_gaps import device_time
+
+            report = device_time(self.written)
+            if report is not None:
+                log.info("profiled device time: %s", "\n".join(report.lines(steps=p.end_step - p.start_step)))
 
 
 class MemoryProfiler:
