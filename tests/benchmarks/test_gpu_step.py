@@ -43,4 +43,7 @@ def test_the_step_benchmark_runs_both_sides_on_the_cpu(tmp_path):
     assert engine["device_time"] == bare["device_time"] == ["no device work in the trace"]
     for side in ("engine", "bare"):
         table = (profile / f"{side}_top_kernels.txt").read_text()
-        assert table.startswith(f"{side}, 2 steps:\nno device work in the trace") and "self_cpu_time_total" in table
+        assert (
+            table.startswith(f"{side}, 2 steps:\nno device work in the trace")
+            and "self_cpu_time_total" in table
+        )

@@ -80,7 +80,9 @@ def test_busy_idle_and_the_host_bound_gap(tmp_path):
     assert lines[0].startswith("device busy 0.5 ms of 1.2 ms per step (38.6%); idle 0.8 ms in 2 gaps")
     assert "0.4 ms of it waiting for the host to launch; 1 host synchronisations (0.1 ms)" in lines[0]
     assert lines[1].strip().startswith("0.90 ms idle before multi_tensor_apply_kernel: launched from")
-    assert "aten::_foreach_add_ in Optimizer.step#AdamW.step, launched +0.89 ms after the gap began" in lines[1]
+    assert (
+        "aten::_foreach_add_ in Optimizer.step#AdamW.step, launched +0.89 ms after the gap began" in lines[1]
+    )
 
 
 def test_only_the_longest_gaps_look_up_their_host_operators():
@@ -90,9 +92,8 @@ def test_only_the_longest_gaps_look_up_their_host_operators():
 
 
 def test_a_cpu_profile_has_no_device_time(tmp_path):
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        with record_function("step"):
-            torch.randn(64, 64) @ torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof, record_function("step"):
+        torch.randn(64, 64) @ torch.randn(64, 64)
     path = tmp_path / "cpu.json"
     prof.export_chrome_trace(str(path))
     assert json.loads(path.read_text())["traceEvents"]
