@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -19,6 +20,8 @@ from magistral_cli.engine.model import output_capture_survives_wrapping
 from magistral_cli.engine.parallelize import apply_fsdp
 from magistral_cli.engine.synthetic import SyntheticBatches
 from magistral_cli.testing.tiny_model import build_tiny_model, tiny_mistral3_config
+
+pytestmark = [pytest.mark.compat]
 
 VOCAB = 512
 
