@@ -65,6 +65,12 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 PROFILED_STEPS = 2
 
 
+def profiled_steps(args) -> tuple[int, int]:
+    """The engine's first and last profiled step with --profile: the ``PROFILED_STEPS`` after the timed ones."""
+    first = args.warmup + args.steps + 1
+    return first, first + PROFILED_STEPS - 1
+
+
 def write_model_dir(directory: Path, widths: str, layers: int) -> dict:
     """config.json for the benchmark's model (no weights: both sides start from random ones)."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -141,8 +147,8 @@ def engine_recipe(args, model_dir: Path, run_dir: Path) -> dict:
                     "profile": {
                         "enable": True,
                         "static_param": {
-                            "start_step": args.warmup + args.steps + 1,
-                            "end_step": args.warmup + args.steps + 1 + PROFILED_STEPS,
+                            "start_step": profiled_steps(args)[0],
+                            "end_step": profiled_steps(args)[1] + 1,
                         },
                     }
                 }
@@ -218,8 +224,8 @@ def _engine_device_time(args, run_dir: Path) -> list[str] | None:
     """The device-time report of the engine run's profiled steps (``tools.profile``'s trace)."""
     if not args.profile:
         return None
-    first = args.warmup + args.steps + 1
-    trace = run_dir / "profiling" / f"rank0_steps{first}-{first + PROFILED_STEPS - 1}.json"
+    first, last = profiled_steps(args)
+    trace = run_dir / "profiling" / f"rank0_steps{first}-{last}.json"
     if not trace.is_file():
         return [f"no trace at {trace}"]
     return _device_time_lines(trace)
@@ -452,7 +458,9 @@ def main() -> None:
     )
     parser.add_argument("--peak-tflops", type=float, help="bf16 peak per device (default: the known table)")
     parser.add_argument("--no-inside", dest="inside", action="store_false", help="skip the sync count")
-    parser.add_argument("--profile", metavar="DIR", help="write each side's top kernels of one step here")
+    parser.add_argument(
+        "--profile", metavar="DIR", help="write each side's top kernels and device time of two steps here"
+    )
     parser.add_argument("--profile-rows", type=int, default=20)
     parser.add_argument("--timeout", type=float, default=1200, help="seconds for the engine's run")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
