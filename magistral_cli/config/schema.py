@@ -70,9 +70,14 @@ class Section(BaseModel):
     section: a boolean is not a number (seen: ``train_iters: true`` ran 1 step), and a float
     must be finite (seen: ``lr: .inf`` passed the recipe check; ``allow_inf_nan``). Ints are
     still accepted for floats (``lr: 1``) and strings such as ``2e-5`` still parse.
+
+    The schema's keys are MindSpeed-MM's, ``model_name_or_path`` and ``model_id`` among them: no
+    namespace is protected (pydantic before 2.10 warned on every field named ``model_*``).
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, allow_inf_nan=False, protected_namespaces=()
+    )
 
     @field_validator("*", mode="before")
     @classmethod
