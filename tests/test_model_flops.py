@@ -81,6 +81,7 @@ def test_matmul_parameters_are_the_built_models_weights_less_embedding_norms_and
     assert total - embedding - norms - vision - projector == matmul_parameters(real_config)
 
 
+@pytest.mark.compat  # transformers' rotary embedding differs between 5.17 and 5.25
 @pytest.mark.parametrize("length", [48, 17])
 def test_torch_counts_the_same_matmuls_plus_the_masked_half_of_the_scores(length):
     """Eager attention computes the whole score matrix, so torch counts 6 x L x H x hd x n^2 more
@@ -101,6 +102,11 @@ def test_torch_counts_the_same_matmuls_plus_the_masked_half_of_the_scores(length
         model(input_ids=ids, labels=ids).loss.backward()
     text = config.text_config
     masked_half = 6 * text.num_hidden_layers * text.num_attention_heads * text.head_dim * length**2
-    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    per_module = counter.get_flop_counts()
+    counts = {str(op): n for op, n in per_module["Global"].items()}
     assert counts["aten.mm"] == 6 * matmul_parameters(config) * length
-    assert counter.get_total_flops() == training_flops(config, [length]) + masked_half
+    # transformers 5.17-5.22 compute the rotary angles as a product (inv_freq @ positions: head_dim x
+    # n FLOPs, no model FLOP); later releases do not. Counted apart, so the rest is exact on both.
+    rotary = sum(per_module.get(f"{type(model).__name__}.model.language_model.rotary_emb", {}).values())
+    assert rotary in (0, text.head_dim * length)
+    assert counter.get_total_flops() - rotary == training_flops(config, [length]) + masked_half

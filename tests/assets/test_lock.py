@@ -189,7 +189,20 @@ def test_package_data_declares_the_lock():
 
 def test_built_wheel_ships_the_lock(tmp_path):
     """An installed package finds its lock: the wheel must contain it (package data)."""
-    pytest.importorskip("setuptools", reason="building a wheel offline needs setuptools installed")
+    # Offline (no build isolation) the installed setuptools is the build backend: it must meet the
+    # build-system requirement (a venv's bundled setuptools 65 cannot build wheels).
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.requirements import Requirement
+
+    tomllib = pytest.importorskip("tomllib", reason="Python >= 3.11 reads TOML")
+    (backend,) = tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]["requires"]
+    try:
+        installed = version("setuptools")
+    except PackageNotFoundError:
+        pytest.skip("building a wheel offline needs setuptools installed")
+    if not Requirement(backend).specifier.contains(installed):
+        pytest.skip(f"building a wheel offline needs {backend}; setuptools {installed} is installed")
     src = tmp_path / "src"  # build from a copy: setuptools writes build/ and egg-info next to the sources
     shutil.copytree(
         REPO / "magistral_cli", src / "magistral_cli", ignore=shutil.ignore_patterns("__pycache__")

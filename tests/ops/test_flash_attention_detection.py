@@ -12,6 +12,7 @@ import importlib.util
 import logging
 
 import pytest
+from transformers import modeling_flash_attention_utils
 from transformers.modeling_flash_attention_utils import FLASH_ATTENTION_COMPATIBILITY_MATRIX
 from transformers.utils import import_utils
 
@@ -20,12 +21,15 @@ from magistral_cli.ops.attention import resolve_attention
 from magistral_cli.ops.attention_kernels import flash_attention_available
 from magistral_cli.ops.vision_attention import vision_attention_backend
 
+pytestmark = pytest.mark.compat  # transformers' own detection changed between 5.17 and 5.23
+
 _patch = None
 
 
 def _clear_detection_caches(monkeypatch=None) -> None:
     """Our detection cache and transformers': >= 5.23 caches the module -> distribution map in a
-    function, 5.17-5.22 in a module constant computed at import (recomputed here)."""
+    function, 5.17-5.22 in a module constant computed at import (recomputed here, in both modules
+    that hold it: the flash-attention matrix's checks read their own imported name)."""
     global _patch
     _patch = monkeypatch or _patch
     flash_attention_available.cache_clear()
@@ -33,9 +37,10 @@ def _clear_detection_caches(monkeypatch=None) -> None:
     if cached is not None:
         cached.cache_clear()
     else:
-        _patch.setattr(
-            import_utils, "PACKAGE_DISTRIBUTION_MAPPING", importlib.metadata.packages_distributions()
-        )
+        mapping = importlib.metadata.packages_distributions()
+        for module in (import_utils, modeling_flash_attention_utils):
+            if hasattr(module, "PACKAGE_DISTRIBUTION_MAPPING"):
+                _patch.setattr(module, "PACKAGE_DISTRIBUTION_MAPPING", mapping)
 
 
 @pytest.fixture
