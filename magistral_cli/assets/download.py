@@ -5,15 +5,19 @@ The environment is read at call time, not when ``huggingface_hub`` was imported:
 every request, and the token (``HF_TOKEN`` or ``hf auth login``) is left to the client, which
 sends it as a header and never logs it. Messages that could carry it are scrubbed anyway.
 
-Resuming, as ``huggingface_hub`` 2.x does it: a download whose connection drops midway is
-resumed by the client with an HTTP ``Range`` request from the bytes already received (up to five
-times per file). Files that were completed are kept with their ``.cache/huggingface`` metadata,
-so a second ``magistral fetch`` after an interruption skips them; the partial temporary file of
-a file interrupted by the user (Ctrl-C) is removed by the client, so that one file starts over.
+Resuming: a download whose connection drops midway is resumed with an HTTP ``Range`` request
+from the bytes already received. ``huggingface_hub`` 2.x does that inside its own call (up to five
+times per file); 1.x (what transformers 5.17-5.2x install) gives up at the first dropped
+connection, so ``download_file`` calls it again, up to ``ATTEMPTS`` times, and the client resumes
+from its ``.incomplete`` file. Files that were completed are kept with their ``.cache/huggingface``
+metadata, so a second ``magistral fetch`` after an interruption skips them. The partial file of a
+file interrupted by the user (Ctrl-C) never reaches its destination: 2.x removes it, 1.x keeps it
+in ``.cache/huggingface/download`` and the next fetch resumes from it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -22,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from magistral_cli.errors import CheckFailed, UserError
+
+log = logging.getLogger(__name__)
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _TRUE = {"1", "on", "yes", "true"}
@@ -151,6 +157,19 @@ def remote_hub_record(repo: str, revision: str, name: str) -> HubRecord:
     return HubRecord(commit_hash=meta.commit_hash, etag=meta.etag)
 
 
+#: Calls of the client per file while the connection keeps dropping midway (each resumes).
+ATTEMPTS = 5
+
+
+def _dropped_connection(exc: Exception) -> bool:
+    """A network failure mid-transfer (the client's ``httpx`` transport errors), worth resuming."""
+    try:
+        import httpx
+    except ImportError:  # pragma: no cover - huggingface_hub >= 1.0 depends on httpx
+        return False
+    return isinstance(exc, httpx.TransportError)
+
+
 def download_file(
     model_dir: Path,
     repo: str,
@@ -168,20 +187,31 @@ def download_file(
             f"{name} is not in {model_dir} and HF_HUB_OFFLINE is set: unset HF_HUB_OFFLINE to download "
             "it, or copy the files in and run `magistral fetch --verify-only`"
         )
-    try:
-        path = hf_hub_download(
-            repo_id=repo,
-            filename=name,
-            revision=revision,
-            local_dir=str(model_dir),
-            endpoint=hub_endpoint(),
-            tqdm_class=_tqdm_adapter(name, make_bar, cancel),
-        )
-    except KeyboardInterrupt:
-        raise
-    except Exception as exc:
-        raise _translate(exc, repo, revision, name) from None
-    return Path(path)
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            path = hf_hub_download(
+                repo_id=repo,
+                filename=name,
+                revision=revision,
+                local_dir=str(model_dir),
+                endpoint=hub_endpoint(),
+                tqdm_class=_tqdm_adapter(name, make_bar, cancel),
+            )
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:
+            if attempt < ATTEMPTS and _dropped_connection(exc) and not (cancel and cancel.is_set()):
+                log.warning(
+                    "%s: the connection dropped (%s); resuming (attempt %d of %d)",
+                    name,
+                    scrub_secrets(str(exc).splitlines()[0] if str(exc) else type(exc).__name__),
+                    attempt + 1,
+                    ATTEMPTS,
+                )
+                continue
+            raise _translate(exc, repo, revision, name) from None
+        return Path(path)
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def _translate(exc: Exception, repo: str, revision: str, name: str) -> Exception:

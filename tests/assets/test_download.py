@@ -9,6 +9,8 @@ import pytest
 
 from magistral_cli.assets.download import _tqdm_adapter, scrub_secrets
 
+pytestmark = pytest.mark.compat  # huggingface_hub's progress classes changed between 1.x and 2.x
+
 
 class Recorder:
     def __init__(self):
@@ -23,6 +25,9 @@ class Recorder:
 
 
 def test_xet_progress_reporter_drives_the_adapter():
+    """Xet downloads report progress through the ``tqdm_class`` they are given: huggingface_hub 2.x
+    through its ``XetDownloadProgressReporter``, 1.x through the plain progress-bar context that its
+    HTTP downloads use too. Each release is driven the way its ``xet_get`` drives it."""
     xet = pytest.importorskip("huggingface_hub.utils._xet_progress_reporting")
     bars = []
 
@@ -31,6 +36,22 @@ def test_xet_progress_reporter_drives_the_adapter():
         return bars[-1]
 
     cls = _tqdm_adapter("model-00001.safetensors", make_bar, None)
+    if not hasattr(xet, "XetDownloadProgressReporter"):
+        from huggingface_hub.file_download import _get_progress_bar_context
+
+        with _get_progress_bar_context(
+            desc="model-00001.safetensors",
+            log_level=30,
+            total=1000,
+            initial=0,
+            name="huggingface_hub.xet_get",
+            tqdm_class=cls,
+        ) as progress:
+            for done in (300, 700):
+                progress.update(done)
+        assert [b.bytes for b in bars] == [1000]
+        assert bars[0].closed
+        return
     with xet.XetDownloadProgressReporter(
         reconstruction_desc="r", total=1000, log_level=30, tqdm_class=cls
     ) as reporter:
