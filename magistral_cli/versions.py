@@ -1,13 +1,13 @@
 """The library versions the engine supports, and the pre-flight check against the installed ones.
 
 The lower bounds are versions a test actually ran on (``pyproject.toml`` declares the same; a
-test keeps the two equal):
+test keeps the two equal). CI's second leg installs every lower bound that ``pyproject.toml``
+declares at once (``.ci/lowest_constraints.py``) and runs the quickstart and the ``compat`` tests:
 
-- transformers 5.17.0: the version current CUDA images ship; CI's second leg runs the engine,
-  workflow and probe tests on it. Older 5.x releases are refused rather than guessed at (see
-  the README's "Supported versions" for what 5.0-5.16 and 4.57 would take).
-- torch 2.11: the oldest torch the project has trained on (a CUDA machine image, torch
-  2.11.0+cu130); CI runs torch 2.13 on the CPU.
+- transformers 5.17.0: the version current CUDA images ship. Older 5.x releases are refused rather
+  than guessed at (see the README's "Supported versions" for what 5.0-5.16 and 4.57 would take).
+- torch 2.11 (2.11.0): the oldest torch the project has trained on, a CUDA machine image's (torch
+  2.11.0+cu130); the second leg runs PyPI's 2.11.0 on the CPU, the main leg 2.13.
 
 No upper bound: newer releases are what CI's main leg installs.
 

@@ -32,6 +32,50 @@ def test_pyproject_declares_the_same_lower_bounds():
         assert declared == [minimum], f"pyproject.toml declares {name}>={declared}, versions.py {minimum}"
 
 
+def test_the_lowest_versions_leg_pins_every_declared_lower_bound():
+    """CI's second leg installs under ``.ci/lowest_constraints.py``'s pins: every ``>=`` bound of the
+    runtime dependencies and of the qlora extra, the pre-flight check's among them."""
+    tomllib = pytest.importorskip("tomllib", reason="Python >= 3.11 reads TOML")
+    out = subprocess.run(
+        [sys.executable, str(REPO / ".ci" / "lowest_constraints.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    pins = dict(line.split("==") for line in out.split())
+    for name, minimum in {**MINIMUM_VERSIONS, **{k: v[0] for k, v in OPTIONAL_VERSIONS.items()}}.items():
+        assert pins[name] == minimum, (name, pins)
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    bounded = [d for d in project["dependencies"] if ">=" in d]
+    assert len(pins) == len(bounded) + len(OPTIONAL_VERSIONS)
+
+
+def test_the_installed_versions_are_not_below_the_declared_bounds():
+    """Whatever leg runs: the installed dependencies meet pyproject.toml (the lowest leg installs
+    exactly the bounds)."""
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    tomllib = pytest.importorskip("tomllib", reason="Python >= 3.11 reads TOML")
+    for line in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]:
+        requirement = Requirement(line)
+        installed = Version(version(requirement.name))
+        assert requirement.specifier.contains(installed.base_version, prereleases=True), (line, installed)
+
+
+def test_reading_a_recipe_warns_nothing():
+    """pydantic before 2.10 warned once per ``model_*`` field (``model_name_or_path``, ``model_id``:
+    MindSpeed-MM's keys) on every command that read a recipe."""
+    code = (
+        "import warnings; warnings.simplefilter('error'); "
+        "import magistral_cli.config.schema as s; s.Recipe.model_json_schema()"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 def test_optional_packages_are_declared_with_their_bound_and_named_when_missing_or_old():
     text = (REPO / "pyproject.toml").read_text()
     for name, (minimum, _, install) in OPTIONAL_VERSIONS.items():

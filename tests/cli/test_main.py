@@ -12,6 +12,8 @@ from typer.testing import CliRunner
 from magistral_cli import __version__
 from magistral_cli.cli.main import app
 
+pytestmark = pytest.mark.compat  # typer and click: typer before 0.16 fails every --help with click >= 8.2
+
 runner = CliRunner()
 SUBCOMMANDS = ["fetch", "convert", "preprocess", "train", "compare", "generate", "probe", "quickstart"]
 

@@ -25,6 +25,9 @@ from magistral_cli.data.readers import Drop, RecordFormat, RowSource, read_rows
 
 from .helpers import write_recipe
 
+# mistral-common's image encoder is the reference (before 1.12 it fails on thin images)
+pytestmark = pytest.mark.compat
+
 runner = CliRunner()
 
 

@@ -15,6 +15,8 @@ from magistral_cli.data.encoder import EncodedSample, EncodeParams, Encoder
 from magistral_cli.data.pixtral import load_image_settings
 from magistral_cli.data.readers import RecordFormat, RowSource
 
+pytestmark = pytest.mark.compat  # token-exact with the installed mistral-common
+
 mistral_common = pytest.importorskip("mistral_common")
 pytest.importorskip("cv2")  # mistral-common's image encoder resizes with OpenCV
 
