@@ -162,7 +162,9 @@ ATTEMPTS = 5
 
 
 def _dropped_connection(exc: Exception) -> bool:
-    """A network failure mid-transfer (the client's ``httpx`` transport errors), worth resuming."""
+    """A network failure mid-transfer from huggingface_hub 1.x's client (``httpx`` transport errors),
+    worth resuming. 2.x's client (``httpx2``) has already resumed five times, a second apart (the count
+    starting over whenever bytes arrive), before its error reaches us: that one is final."""
     try:
         import httpx
     except ImportError:  # pragma: no cover - huggingface_hub >= 1.0 depends on httpx

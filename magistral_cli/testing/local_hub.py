@@ -22,7 +22,8 @@ Every write needs a token (any one, or ``token`` when set); ``refused_namespaces
 the Hub does for a namespace the token may not write to. ``repos`` records each created repository
 (``{"private": bool}``) and ``commits`` each commit (repo, revision, summary, paths).
 
-Faults for tests: ``cut_once`` (paths whose first GET is cut after half the body), ``corrupt``
+Faults for tests: ``cut_once`` (paths whose first GET is cut after half the body), ``cut_always``
+(paths whose every GET is cut before the body: a connection that never delivers), ``corrupt``
 (paths served with one byte flipped), ``token`` (require ``Authorization: Bearer <token>``).
 Every request is recorded in ``requests`` (method, path, Range header, whether a token came).
 
@@ -78,6 +79,7 @@ class LocalHub:
     token: str | None = None
     lfs_threshold: int = 10 * 1024 * 1024
     cut_once: set[str] = field(default_factory=set)
+    cut_always: set[str] = field(default_factory=set)
     corrupt: set[str] = field(default_factory=set)
     requests: list[SeenRequest] = field(default_factory=list)
     refused_namespaces: set[str] = field(default_factory=set)
@@ -245,9 +247,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if head:
             return
-        if key in hub.cut_once and status == 200:
+        if key in hub.cut_always or (key in hub.cut_once and status == 200):
             hub.cut_once.discard(key)
-            self.wfile.write(body[: len(body) // 2])
+            self.wfile.write(body[: 0 if key in hub.cut_always else len(body) // 2])
             self.wfile.flush()
             # Drop the connection midway: the client sees a body shorter than Content-Length.
             self.close_connection = True

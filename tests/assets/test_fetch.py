@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 
 import pytest
 
@@ -197,6 +198,28 @@ def test_unknown_repository_is_a_user_error(tmp_path, hub, lock):
 def test_verify_only_needs_an_existing_directory(tmp_path, lock):
     with pytest.raises(UserError, match="does not exist"):
         fetch_assets(tmp_path / "absent", lock, verify_only=True)
+
+
+def test_a_connection_that_keeps_dropping_fails_that_file_after_the_attempts(tmp_path, hub, lock, caplog):
+    from magistral_cli.assets.download import ATTEMPTS
+
+    hub.cut_always.add(f"{REPO}/{REV}/{SHARD2}")
+    model = tmp_path / "model"
+    with caplog.at_level(logging.WARNING, logger="magistral_cli.assets.download"):
+        report = fetch_assets(model, lock)
+    (bad,) = report.failures
+    assert bad.name == SHARD2 and "run the same command again" in bad.message
+    assert not (model / SHARD2).exists()
+    assert (model / SHARD1).read_bytes() == served(hub, REPO, REV, SHARD1)  # the others complete
+    # huggingface_hub 1.x gives up at once and is called ATTEMPTS times; 2.x retries five times itself
+    # (a second apart) and its error is final.
+    import huggingface_hub
+
+    client_retries = int(huggingface_hub.__version__.split(".")[0]) >= 2
+    resumes = [r for r in caplog.records if "the connection dropped" in r.getMessage()]
+    assert len(resumes) == (0 if client_retries else ATTEMPTS - 1), [r.getMessage() for r in resumes]
+    gets = [r for r in hub.requests if r.method == "GET" and r.path.endswith("/" + SHARD2)]
+    assert len(gets) == (6 if client_retries else ATTEMPTS)
 
 
 def test_interrupt_midway_leaves_no_partial_file_and_the_next_run_completes(tmp_path, hub, lock):
