@@ -1,39 +1,57 @@
-"""Print pip constraints that pin each declared dependency to its lower bound (pyproject.toml).
+"""Pin each declared dependency to its lower bound (pyproject.toml), or check that an environment has them.
 
 CI's second leg installs the package under these constraints, so every ``>=`` bound that
 ``pyproject.toml`` declares (the runtime dependencies and the ``qlora`` extra) is a version a test
 ran on. A bound that cannot be installed beside the others fails the install: raise it.
 
-    .venv/bin/python .ci/lowest_constraints.py > constraints.txt
+    .venv/bin/python .ci/lowest_constraints.py > constraints.txt   # the pins, one per line
+    .venv-min/bin/python .ci/lowest_constraints.py --check          # each installed at its pin
 """
 
 from __future__ import annotations
 
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import tomllib
 from packaging.requirements import Requirement
+from packaging.version import Version
 
 #: Optional extras whose bounds are part of the promise (the features the README documents).
 EXTRAS = ("qlora",)
 
 
-def lowest(pyproject: Path) -> list[str]:
+def lowest(pyproject: Path) -> dict[str, str]:
+    """Distribution -> its declared lower bound."""
     project = tomllib.loads(pyproject.read_text())["project"]
     declared = list(project["dependencies"])
     for extra in EXTRAS:
         declared += project["optional-dependencies"][extra]
-    pins = []
+    pins = {}
     for line in declared:
         requirement = Requirement(line)
         bounds = [spec.version for spec in requirement.specifier if spec.operator == ">="]
         if len(bounds) > 1:
             sys.exit(f"{line!r}: more than one lower bound")
         if bounds:
-            pins.append(f"{requirement.name}=={bounds[0]}")
+            pins[requirement.name] = bounds[0]
     return pins
 
 
+def check(pins: dict[str, str]) -> None:
+    """Exit non-zero unless each pinned distribution is installed at its bound (a local tag such as
+    torch's +cu130 aside): the leg tests what it says."""
+    for name, wanted in pins.items():
+        installed = version(name)
+        if Version(Version(installed).base_version) != Version(wanted):
+            sys.exit(f"{name} {installed} is installed where the lowest-versions leg needs {wanted}")
+        print(name, installed)
+
+
 if __name__ == "__main__":
-    print("\n".join(lowest(Path(__file__).resolve().parent.parent / "pyproject.toml")))
+    pins = lowest(Path(__file__).resolve().parent.parent / "pyproject.toml")
+    if sys.argv[1:] == ["--check"]:
+        check(pins)
+    else:
+        print("\n".join(f"{name}=={bound}" for name, bound in pins.items()))

@@ -189,31 +189,38 @@ def download_file(
             f"{name} is not in {model_dir} and HF_HUB_OFFLINE is set: unset HF_HUB_OFFLINE to download "
             "it, or copy the files in and run `magistral fetch --verify-only`"
         )
-    for attempt in range(1, ATTEMPTS + 1):
+    attempt = 1
+    while True:
         try:
-            path = hf_hub_download(
-                repo_id=repo,
-                filename=name,
-                revision=revision,
-                local_dir=str(model_dir),
-                endpoint=hub_endpoint(),
-                tqdm_class=_tqdm_adapter(name, make_bar, cancel),
+            return Path(
+                hf_hub_download(
+                    repo_id=repo,
+                    filename=name,
+                    revision=revision,
+                    local_dir=str(model_dir),
+                    endpoint=hub_endpoint(),
+                    tqdm_class=_tqdm_adapter(name, make_bar, cancel),
+                )
             )
         except KeyboardInterrupt:
             raise
         except Exception as exc:
             if attempt < ATTEMPTS and _dropped_connection(exc) and not (cancel and cancel.is_set()):
+                attempt += 1
                 log.warning(
                     "%s: the connection dropped (%s); resuming (attempt %d of %d)",
                     name,
-                    scrub_secrets(str(exc).splitlines()[0] if str(exc) else type(exc).__name__),
-                    attempt + 1,
+                    _detail(exc),
+                    attempt,
                     ATTEMPTS,
                 )
                 continue
             raise _translate(exc, repo, revision, name) from None
-        return Path(path)
-    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _detail(exc: Exception) -> str:
+    """An exception's first line (or its type), scrubbed of secrets."""
+    return scrub_secrets(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
 def _translate(exc: Exception, repo: str, revision: str, name: str) -> Exception:
@@ -222,7 +229,7 @@ def _translate(exc: Exception, repo: str, revision: str, name: str) -> Exception
 
     where = f"{repo}@{revision[:12]}:{name}"
     endpoint = hub_endpoint() or "https://huggingface.co"
-    detail = scrub_secrets(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    detail = _detail(exc)
     if isinstance(exc, hf_errors.GatedRepoError):
         return UserError(
             f"{where}: the repository is gated ({detail}); accept its terms on the Hub and set HF_TOKEN "
