@@ -76,6 +76,24 @@ def test_reading_a_recipe_warns_nothing():
     assert out.returncode == 0, out.stderr[-2000:]
 
 
+def test_the_package_needs_nothing_newer_than_the_python_it_declares():
+    """``requires-python`` names a Python that no CI leg runs (there is no interpreter of it here), so
+    vermin checks the package statically against it: syntax, and the standard library's modules,
+    members and keyword arguments (``tomllib``, ``enum.StrEnum``, ``datetime.UTC``... need 3.11)."""
+    declared = re.search(r'requires-python\s*=\s*">=(\d+)\.(\d+)"', (REPO / "pyproject.toml").read_text())
+    assert declared, "pyproject.toml declares no requires-python lower bound"
+    target = f"{declared[1]}.{declared[2]}"
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, vermin; sys.exit(vermin.main())", f"-t={target}-"]
+        + ["--violations", "--eval-annotations", "--no-tips", "--no-parse-comments", "magistral_cli"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, f"the package needs a Python newer than {target}:\n{out.stdout[-3000:]}"
+    assert "Minimum required versions:" in out.stdout, out.stdout[-2000:]
+
+
 def test_optional_packages_are_declared_with_their_bound_and_named_when_missing_or_old():
     text = (REPO / "pyproject.toml").read_text()
     for name, (minimum, _, install) in OPTIONAL_VERSIONS.items():
