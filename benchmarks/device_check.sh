@@ -71,7 +71,9 @@ stage tiny_qlora "${QLORA_S:-180}" bash -c "tiny recipes/tiny/tiny_cpu_qlora.yam
 shape=(--layers "$layers" --micro-batch 2 --seq 4096)
 [ "$device" = cpu ] && shape=()  # the tiny default shape: real widths would take hours on a CPU
 work=$(mktemp -d)  # the profiles land here, then go into one file
-stage gpu_step "${STEP_S:-420}" python3 benchmarks/gpu_step.py --device "$device" "${shape[@]}" --profile "$work"
+# The engine a second time with reshard_after_forward: false (its own row and ratio), in the same run.
+stage gpu_step "${STEP_S:-480}" python3 benchmarks/gpu_step.py --device "$device" "${shape[@]}" --profile "$work" \
+    --also-no-reshard
 cat "$work"/engine_top_kernels.txt "$work"/bare_top_kernels.txt >"$out/top_kernels.txt" 2>/dev/null
 # The one-GPU case people run: LoRA r 16 on both sides (the engine's frozen base used in place).
 stage gpu_step_lora "${LORA_S:-240}" python3 benchmarks/gpu_step.py --device "$device" "${shape[@]}" --lora 16 \

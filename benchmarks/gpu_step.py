@@ -5,6 +5,7 @@
     python benchmarks/gpu_step.py --device cpu                        # tiny widths, 2 x 256, fp32 (CI keeps it working)
     python benchmarks/gpu_step.py --device cuda --lora 16             # LoRA r 16 on both sides (the one-GPU case)
     python benchmarks/gpu_step.py --device cuda --no-reshard          # the engine with reshard_after_forward: false
+    python benchmarks/gpu_step.py --device cuda --also-no-reshard     # the engine both ways, and the bare loop
 
 Both sides train the same shape in one run, one after the other on the same device:
 
@@ -63,6 +64,8 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 #: Steps profiled on each side with --profile: two, so that a step boundary (the loop's own host work
 #: between one step's last kernel and the next one's first) is in the trace.
 PROFILED_STEPS = 2
+#: The row of ``--also-no-reshard``: the engine again with ``reshard_after_forward: false``.
+NO_RESHARD = "engine_no_reshard"
 
 
 def profiled_steps(args) -> tuple[int, int]:
@@ -171,11 +174,11 @@ def _magistral(*argv: str, env: dict, timeout: float) -> subprocess.CompletedPro
     )
 
 
-def run_engine(args, work: Path, model_dir: Path) -> dict:
+def run_engine(args, work: Path, model_dir: Path, name: str = "engine") -> dict:
     import yaml
 
-    run_dir = work / "engine-run"
-    recipe_path = work / "gpu_step.yaml"
+    run_dir = work / f"{name}-run"
+    recipe_path = work / f"{name}.yaml"
     recipe_path.write_text(yaml.safe_dump(engine_recipe(args, model_dir, run_dir)))
     env = {
         **os.environ,
@@ -456,6 +459,11 @@ def main() -> None:
         help="the engine with reshard_after_forward: false (every unit gathered from its forward to its "
         "backward: no second cast and copy in the backward, for 2 more bytes per trainable parameter)",
     )
+    parser.add_argument(
+        "--also-no-reshard",
+        action="store_true",
+        help="time the engine a second time with reshard_after_forward: false (a third row, its own ratio)",
+    )
     parser.add_argument("--peak-tflops", type=float, help="bf16 peak per device (default: the known table)")
     parser.add_argument("--no-inside", dest="inside", action="store_false", help="skip the sync count")
     parser.add_argument(
@@ -496,25 +504,34 @@ def main() -> None:
         results = {"args": vars(args), "flops_per_token": flops_per_token, "peak_tflops": peak}
         results["engine"] = run_engine(args, work, model_dir)
         print(f"engine: median step {results['engine']['step_ms']:.1f} ms", flush=True)
+        if args.also_no_reshard and args.reshard_after_forward:
+            variant = argparse.Namespace(**{**vars(args), "reshard_after_forward": False, "profile": None})
+            results[NO_RESHARD] = run_engine(variant, work, model_dir, name="engine-no-reshard")
+            print(f"{NO_RESHARD}: median step {results[NO_RESHARD]['step_ms']:.1f} ms", flush=True)
         results["bare"] = run_bare(args, config)
         print(f"bare:   median step {results['bare']['step_ms']:.1f} ms", flush=True)
         if args.inside:
             results["inside"] = run_inside(args, work, model_dir)
 
-    for side in ("engine", "bare"):
+    sides = [s for s in ("engine", NO_RESHARD, "bare") if s in results]
+    for side in sides:
         r = results[side]
         tflops = flops_per_token * r["tokens_per_s"] / 1e12
         r["model_tflops"] = tflops
         r["mfu_computed"] = tflops / peak if peak else None
     e, b = results["engine"], results["bare"]
     results["ratio_speed"] = b["step_ms"] / e["step_ms"]  # engine speed / bare speed (>= 0.95 is the goal)
+    if NO_RESHARD in results:
+        results["ratio_speed_no_reshard"] = b["step_ms"] / results[NO_RESHARD]["step_ms"]
     print()
-    print(f"{'':8} {'step ms':>9} {'tokens/s':>10} {'TFLOP/s':>9} {'MFU':>7} {'peak GiB':>9} {'plan GiB':>9}")
-    for side in ("engine", "bare"):
+    print(
+        f"{'':18} {'step ms':>9} {'tokens/s':>10} {'TFLOP/s':>9} {'MFU':>7} {'peak GiB':>9} {'plan GiB':>9}"
+    )
+    for side in sides:
         r = results[side]
         mfu = r["mfu_computed"]
         print(
-            f"{side:8} {r['step_ms']:9.1f} {r['tokens_per_s']:10.0f} {r['model_tflops']:9.1f} "
+            f"{side:18} {r['step_ms']:9.1f} {r['tokens_per_s']:10.0f} {r['model_tflops']:9.1f} "
             f"{_fmt(None if mfu is None else 100 * mfu):>6}% {_fmt(r.get('peak_gib'), '.2f'):>9} "
             f"{_fmt(r.get('planned_gib'), '.2f'):>9}"
         )
@@ -523,6 +540,8 @@ def main() -> None:
             f"engine's own metrics.jsonl: {e['tflops_per_gpu']:.1f} TFLOP/s per device, mfu {_fmt(e.get('mfu'), '.3f')}"
         )
     print(f"engine / bare speed: {results['ratio_speed']:.3f}  (goal >= 0.95)")
+    if NO_RESHARD in results:
+        print(f"{NO_RESHARD} / bare speed: {results['ratio_speed_no_reshard']:.3f}")
     if "inside" in results:
         inside = results["inside"]
         print(
