@@ -6,6 +6,10 @@ ran on. A bound that cannot be installed beside the others fails the install: ra
 
     .venv/bin/python .ci/lowest_constraints.py > constraints.txt   # the pins, one per line
     .venv-min/bin/python .ci/lowest_constraints.py --check          # each installed at its pin
+    .venv/bin/python .ci/lowest_constraints.py --python             # requires-python's lower bound
+
+The leg also resolves the pins for that Python (``pip install --dry-run --python-version``), which no CI
+machine runs: a bound whose releases all need a newer Python fails it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 
 import tomllib
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 #: Optional extras whose bounds are part of the promise (the features the README documents).
@@ -39,6 +44,15 @@ def lowest(pyproject: Path) -> dict[str, str]:
     return pins
 
 
+def lowest_python(pyproject: Path) -> str:
+    """The lower bound of ``requires-python``."""
+    declared = tomllib.loads(pyproject.read_text())["project"]["requires-python"]
+    bounds = [spec.version for spec in SpecifierSet(declared) if spec.operator == ">="]
+    if len(bounds) != 1:
+        sys.exit(f"requires-python {declared!r}: one lower bound expected")
+    return bounds[0]
+
+
 def check(pins: dict[str, str]) -> None:
     """Exit non-zero unless each pinned distribution is installed at its bound (a local tag such as
     torch's +cu130 aside): the leg tests what it says."""
@@ -50,8 +64,11 @@ def check(pins: dict[str, str]) -> None:
 
 
 if __name__ == "__main__":
-    pins = lowest(Path(__file__).resolve().parent.parent / "pyproject.toml")
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    pins = lowest(pyproject)
     if sys.argv[1:] == ["--check"]:
         check(pins)
+    elif sys.argv[1:] == ["--python"]:
+        print(lowest_python(pyproject))
     else:
         print("\n".join(f"{name}=={bound}" for name, bound in pins.items()))

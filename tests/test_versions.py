@@ -50,6 +50,18 @@ def test_the_lowest_versions_leg_pins_every_declared_lower_bound():
     assert len(pins) == len(bounded) + len(OPTIONAL_VERSIONS)
 
 
+def test_the_lowest_versions_leg_resolves_for_the_declared_python():
+    """The leg dry-runs its pins for ``requires-python``'s bound, read by the same script."""
+    tomllib = pytest.importorskip("tomllib", reason="Python >= 3.11 reads TOML")
+    script = REPO / ".ci" / "lowest_constraints.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--python"], capture_output=True, text=True, check=True
+    )
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert declared == f">={out.stdout.strip()}"
+    assert '--python-version "$lowest_python"' in (REPO / ".ci" / "run").read_text()
+
+
 def test_the_installed_versions_are_not_below_the_declared_bounds():
     """Whatever leg runs: the installed dependencies meet pyproject.toml (the lowest leg installs
     exactly the bounds)."""
