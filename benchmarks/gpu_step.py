@@ -473,6 +473,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1200, help="seconds for the engine's run")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     args = parser.parse_args()
+    if args.also_no_reshard and not args.reshard_after_forward:
+        parser.error("--also-no-reshard times the engine with and without resharding; drop --no-reshard")
     args.widths = args.widths or ("tiny" if args.device == "cpu" else "real")
     args.seq = args.seq or (256 if args.device == "cpu" else 4096)
 

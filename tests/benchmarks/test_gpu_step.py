@@ -55,3 +55,17 @@ def test_the_step_benchmark_runs_both_sides_on_the_cpu(tmp_path):
             table.startswith(f"{side}, 2 steps:\nno device work in the trace")
             and "self_cpu_time_total" in table
         )
+
+
+def test_the_two_reshard_options_together_are_refused_before_any_work():
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_step.py"), "--device", "cpu", "--no-reshard"]
+        + ["--also-no-reshard"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--also-no-reshard times the engine with and without resharding; drop --no-reshard" in proc.stderr
+    assert "Traceback" not in proc.stderr and "engine:" not in proc.stdout
