@@ -27,9 +27,8 @@ from packaging.version import Version
 EXTRAS = ("qlora",)
 
 
-def lowest(pyproject: Path) -> dict[str, str]:
-    """Distribution -> its declared lower bound."""
-    project = tomllib.loads(pyproject.read_text())["project"]
+def lowest(project: dict) -> dict[str, str]:
+    """Distribution -> its declared lower bound (``project``: pyproject.toml's ``[project]`` table)."""
     declared = list(project["dependencies"])
     for extra in EXTRAS:
         declared += project["optional-dependencies"][extra]
@@ -44,9 +43,9 @@ def lowest(pyproject: Path) -> dict[str, str]:
     return pins
 
 
-def lowest_python(pyproject: Path) -> str:
+def lowest_python(project: dict) -> str:
     """The lower bound of ``requires-python``."""
-    declared = tomllib.loads(pyproject.read_text())["project"]["requires-python"]
+    declared = project["requires-python"]
     bounds = [spec.version for spec in SpecifierSet(declared) if spec.operator == ">="]
     if len(bounds) != 1:
         sys.exit(f"requires-python {declared!r}: one lower bound expected")
@@ -64,11 +63,12 @@ def check(pins: dict[str, str]) -> None:
 
 
 if __name__ == "__main__":
-    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
-    pins = lowest(pyproject)
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())[
+        "project"
+    ]
     if sys.argv[1:] == ["--check"]:
-        check(pins)
+        check(lowest(project))
     elif sys.argv[1:] == ["--python"]:
-        print(lowest_python(pyproject))
+        print(lowest_python(project))
     else:
-        print("\n".join(f"{name}=={bound}" for name, bound in pins.items()))
+        print("\n".join(f"{name}=={bound}" for name, bound in lowest(project).items()))

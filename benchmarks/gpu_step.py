@@ -506,7 +506,7 @@ def main() -> None:
         results = {"args": vars(args), "flops_per_token": flops_per_token, "peak_tflops": peak}
         results["engine"] = run_engine(args, work, model_dir)
         print(f"engine: median step {results['engine']['step_ms']:.1f} ms", flush=True)
-        if args.also_no_reshard and args.reshard_after_forward:
+        if args.also_no_reshard:
             variant = argparse.Namespace(**{**vars(args), "reshard_after_forward": False, "profile": None})
             results[NO_RESHARD] = run_engine(variant, work, model_dir, name="engine-no-reshard")
             print(f"{NO_RESHARD}: median step {results[NO_RESHARD]['step_ms']:.1f} ms", flush=True)

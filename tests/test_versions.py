@@ -91,10 +91,14 @@ def test_reading_a_recipe_warns_nothing():
 def test_the_package_needs_nothing_newer_than_the_python_it_declares():
     """``requires-python`` names a Python that no CI leg runs (there is no interpreter of it here), so
     vermin checks the package statically against it: syntax, and the standard library's modules,
-    members and keyword arguments (``tomllib``, ``enum.StrEnum``, ``datetime.UTC``... need 3.11)."""
-    declared = re.search(r'requires-python\s*=\s*">=(\d+)\.(\d+)"', (REPO / "pyproject.toml").read_text())
-    assert declared, "pyproject.toml declares no requires-python lower bound"
-    target = f"{declared[1]}.{declared[2]}"
+    members and keyword arguments (``tomllib``, ``enum.StrEnum``, ``datetime.UTC``... need 3.11).
+    The bound is read as CI's lowest leg reads it (``.ci/lowest_constraints.py --python``)."""
+    target = subprocess.run(
+        [sys.executable, str(REPO / ".ci" / "lowest_constraints.py"), "--python"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     out = subprocess.run(
         [sys.executable, "-c", "import sys, vermin; sys.exit(vermin.main())", f"-t={target}-"]
         + ["--violations", "--eval-annotations", "--no-tips", "--no-parse-comments", "magistral_cli"],
