@@ -178,6 +178,8 @@ def main() -> None:
             "--standalone",
             "--nproc-per-node",
             str(args.nproc),
+            "--log-dir",  # not a torchelastic_* left in /tmp
+            str(Path(tmp) / "torchrun"),
         ]
         command += [
             __file__,

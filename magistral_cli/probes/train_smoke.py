@@ -130,6 +130,8 @@ def run_train_smoke_probe(
             "torch.distributed.run",
             "--standalone",
             f"--nproc-per-node={nproc}",
+            # torchrun's per-rank log directories; without it, one torchelastic_* per run stays in /tmp
+            f"--log-dir={out / 'torchrun'}",
             "-m",
             "magistral_cli.probes.train_smoke_worker",
             f"--device={device}",

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_fsdp2_uses_the_kernel_and_matches_native_training():
+def test_fsdp2_uses_the_kernel_and_matches_native_training(tmp_path):
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -29,6 +29,7 @@ def test_fsdp2_uses_the_kernel_and_matches_native_training():
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node=2",
+        f"--log-dir={tmp_path / 'torchrun'}",  # not a torchelastic_* left in /tmp
         str(worker),
     ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)

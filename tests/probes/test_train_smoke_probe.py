@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import tempfile
 
 import pytest
 
@@ -88,12 +89,20 @@ def test_two_cpu_ranks_train_thirty_steps():
 
 
 @pytest.mark.slow
-def test_one_cpu_rank_trains_two_images_per_sample():
+def test_one_cpu_rank_trains_two_images_per_sample_and_leaves_no_files_behind(tmp_path, monkeypatch):
+    # The temporary directory of this process and of the launcher it starts: the probe's own files,
+    # and torchrun's per-rank log directories (which it makes there when not given --log-dir), must go.
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     result = run_train_smoke_probe("cpu", "multi", nproc=1, steps=4).to_json()
     assert result["result"] == "PASS", result
     assert [c["name"] for c in result["cases"]] == ["processes", "rank 0"]
     assert result["cases"][1]["steps_logged"] == 4
     assert result["cases"][1]["last_loss"] < result["cases"][1]["first_loss"]
+    # torch's compile cache lives there too, on purpose (one per user, shared by later runs)
+    assert sorted(p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")) == []
 
 
 @pytest.mark.slow
