@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
+import time
 from pathlib import Path
 
 
@@ -43,18 +45,28 @@ def _reserve_status(run_dir: str | None) -> None:
         pass  # _write_status tries again at the end
 
 
-def _write_status(run_dir: str | None, status: int, kind: str, error: str) -> None:
+def _write_status(
+    run_dir: str | None, status: int, kind: str, error: str, failed_at: float | None = None
+) -> None:
     """``<run_dir>/rank_status/rank<R>.json``: how this rank ended, for the launcher's report.
 
-    Written over the blanks reserved at start-up (no new disk space needed); the launcher reads
-    it only after every rank has ended.
+    ``failed_at`` (seconds since the epoch) is when the rank's error was raised: the launcher
+    names the earliest failure first, since a rank that fails makes the others fail after it
+    (their collectives lose the connection). Written over the blanks reserved at start-up (no
+    new disk space needed); the launcher reads it only after every rank has ended.
     """
     if not run_dir:
         return
     import json
 
     path = _status_path(run_dir)
-    record = {"rank": int(os.environ.get("RANK", "0")), "exit_status": status, "kind": kind, "error": error}
+    record = {
+        "rank": int(os.environ.get("RANK", "0")),
+        "exit_status": status,
+        "kind": kind,
+        "error": error,
+        "failed_at": failed_at,
+    }
     data = (json.dumps(record) + "\n").encode("utf-8")
     while len(data) > STATUS_RESERVE:
         error = error[: len(error) // 2]
@@ -82,13 +94,19 @@ def _worker_origin(message: str) -> str:
     return text if sep and name.rpartition(".")[2].endswith(("Error", "Exception", "Failed")) else last
 
 
+#: How a collective fails when another rank is gone (gloo; NCCL): a consequence of that rank's
+#: failure (or of a broken network), never a cause of its own.
+LOST_PEER = re.compile(r"Connection (?:closed|reset) by peer|remote process exited|communicator was aborted")
+
+
 def describe_failure(exc: BaseException) -> tuple[int, str, str]:
     """(exit status, kind, one-line message) of the exception that ended a rank.
 
     One rule for every failure: our errors keep their exit code (``UserError`` 2: kind ``user``;
     a failed check 1: ``check``); an operating-system error (a path, a full or read-only disk)
-    becomes one through ``errors.os_error`` wherever it happened; anything else is a crash
-    (exit 1, with its traceback in the rank's log).
+    becomes one through ``errors.os_error`` wherever it happened; a collective that lost its
+    connection to another rank is ``lost`` (exit 1: the launcher names the rank that failed
+    first); anything else is a crash (exit 1, with its traceback in the rank's log).
     """
     from magistral_cli.errors import MagistralError, UserError, os_error
 
@@ -97,16 +115,20 @@ def describe_failure(exc: BaseException) -> tuple[int, str, str]:
     if isinstance(exc, MagistralError):
         kind = "user" if isinstance(exc, UserError) else "check"
         return exc.exit_code, kind, _worker_origin(str(exc))
-    return 1, "crash", f"{type(exc).__name__}: {exc}"
+    message = f"{type(exc).__name__}: {exc}"
+    return 1, "lost" if LOST_PEER.search(message) else "crash", message
 
 
 def _report(status: int, kind: str, error: str) -> None:
-    """The rank's one line (our errors), or the traceback (a crash) on its stderr."""
+    """The rank's one line (our errors, a lost connection), or the traceback (a crash) on its stderr."""
     try:
         if kind == "crash":
             import traceback
 
             traceback.print_exc()
+        elif kind == "lost":
+            lost = f"error: lost the connection to another rank, which failed or was stopped; its log says why ({error})"
+            print(lost, file=sys.stderr, flush=True)
         else:
             print(f"error: {error}", file=sys.stderr, flush=True)
     except OSError:
@@ -124,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     trainer = None
     status, kind, error = 1, "crash", ""
+    failed_at = None
     run_dir = None
     try:
         recipe = load_recipe(argv[0])
@@ -145,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:  # any failure (DCP's CheckpointException is a BaseException)
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
+        failed_at = time.time()
         status, kind, error = describe_failure(exc)
         _report(status, kind, error)
     finally:
@@ -156,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
             _report(*failure)
             if status == 0:
                 status, kind, error = failure
+                failed_at = time.time()
         finally:
-            _write_status(run_dir, status, kind, error)
+            _write_status(run_dir, status, kind, error, failed_at)
     return status
 
 

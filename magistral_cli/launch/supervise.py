@@ -127,13 +127,20 @@ def _signal_name(number: int) -> str:
     return f"signal {number}"
 
 
+def _failed_at(record: dict) -> float:
+    at = record.get("failed_at")
+    return at if isinstance(at, (int, float)) else float("inf")
+
+
 def failure_report(run_dir: Path, code: int, nproc: int) -> tuple[list[str], int]:
     """(lines naming each failed rank with its own error, the command's exit status).
 
     The cause comes first: a rank killed by a signal (torchrun's report gives the signal; the
     other ranks then fail on their lost connection, which comes after it), then a rank that
-    ended without a status, then the ranks' own errors. Exit 2 when every failed rank stopped on
-    a user error (a bad recipe, a bad path), 1 otherwise.
+    ended without a status, then the ranks' own errors, earliest first. A rank whose only error
+    is the connection it lost after another rank failed is named last, without its traceback.
+    Exit 2 when every rank that failed on its own stopped on a user error (a bad recipe, a bad
+    path, a changed image), 1 otherwise.
     """
     from magistral_cli.engine.run import STATUS_DIR
 
@@ -144,11 +151,24 @@ def failure_report(run_dir: Path, code: int, nproc: int) -> tuple[list[str], int
             statuses[int(record["rank"])] = record
     failed = {r: s for r, s in statuses.items() if s.get("exit_status")}
     missing = [r for r in range(nproc) if r not in statuses]
-    user_errors = [r for r, s in failed.items() if s.get("kind") == "user"]
+    # A rank whose collective lost its connection failed because another one did (or was killed):
+    # named last, after that cause, so that rank 0's lost connection does not hide rank 1's error.
+    lost = sorted(r for r, s in failed.items() if s.get("kind") == "lost")
+    lost_line = (
+        [f"rank(s) {', '.join(map(str, lost))} lost the connection after that failure"] if lost else []
+    )
+    if len(lost) < len(failed) or missing:
+        failed = {r: s for r, s in failed.items() if r not in lost}
+    else:
+        lost_line = []  # nothing else failed that this node saw: those errors are all there is
+    user_errors = sorted(
+        (r for r, s in failed.items() if s.get("kind") == "user"), key=lambda r: (_failed_at(failed[r]), r)
+    )
     if user_errors and all(s.get("kind") == "user" for s in failed.values()):
         # A rank stopped on bad input: torchrun then stops the others (SIGTERM), and a rank stopped
         # before it could record anything is that consequence, not a second failure.
-        lines = [f"rank {rank} failed: {_short_error(failed[rank])}" for rank in sorted(user_errors)]
+        lines = [f"rank {rank} failed: {_short_error(failed[rank])}" for rank in user_errors]
+        lines += lost_line
         if missing:
             stopped = ", ".join(str(r) for r in missing)
             lines.append(f"rank(s) {stopped} stopped by torchrun after that failure (no status of their own)")
@@ -159,9 +179,16 @@ def failure_report(run_dir: Path, code: int, nproc: int) -> tuple[list[str], int
     killed = {
         r: -c
         for r, c in codes.items()
-        if c < 0 and r not in failed and not (-c == signal.SIGTERM and root is not None and r != root)
+        if c < 0
+        and r not in failed
+        and r not in lost
+        and not (-c == signal.SIGTERM and root is not None and r != root)
     }
-    stopped = [r for r, c in codes.items() if c == -signal.SIGTERM and r not in killed and r not in failed]
+    stopped = [
+        r
+        for r, c in codes.items()
+        if c == -signal.SIGTERM and r not in killed and r not in failed and r not in lost
+    ]
     lines: list[str] = []
     for rank, number in sorted(killed.items()):
         why = ": the out-of-memory killer or a `kill -9`" if number == signal.SIGKILL else ""
@@ -179,7 +206,7 @@ def failure_report(run_dir: Path, code: int, nproc: int) -> tuple[list[str], int
         )
         lines += _log_tail(run_dir, rank)
     after = f" after rank {min(killed)} was killed" if killed else ""
-    for rank, record in sorted(failed.items()):
+    for rank, record in sorted(failed.items(), key=lambda item: (_failed_at(item[1]), item[0])):
         error = _short_error(record)
         if record.get("kind") in ("user", "check"):
             lines.append(f"rank {rank} failed{after}: {error}")
@@ -187,6 +214,7 @@ def failure_report(run_dir: Path, code: int, nproc: int) -> tuple[list[str], int
             lines.append(f"rank {rank} crashed{after}: {error}")
             if not missing and not killed and rank < nproc:
                 lines += _log_tail(run_dir, rank)
+    lines += lost_line
     if stopped:
         ranks = ", ".join(map(str, sorted(stopped)))
         lines.append(

@@ -47,6 +47,15 @@ def test_operating_system_errors_name_the_path_the_errno_and_the_fix(tmp_path):
     assert run.describe_failure(UserError("bad key")) == (2, "user", "bad key")
     assert run.describe_failure(CheckFailed("step 3 is not finite")) == (1, "check", "step 3 is not finite")
     assert run.describe_failure(KeyError("x")) == (1, "crash", "KeyError: 'x'")
+    # A collective whose peer is gone (gloo's and NCCL's words): "lost", a consequence of another failure.
+    gloo = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:17299. This is typically caused by a remote worker crashing."
+    )
+    assert run.describe_failure(gloo)[:2] == (1, "lost")
+    nccl = RuntimeError("NCCL error: remote process exited or there was a network error")
+    assert run.describe_failure(nccl)[:2] == (1, "lost")
+    assert run.describe_failure(RuntimeError("Connection refused"))[:2] == (1, "crash")
 
 
 class _Broken(torch.utils.data.Dataset):

@@ -262,6 +262,45 @@ def test_an_image_changed_since_preprocessing_exits_2_naming_it_and_its_sample(
     assert "ended without a status" not in done.stderr
 
 
+@pytest.mark.slow
+def test_an_image_only_rank_1_reads_is_named_first_and_exits_2(quickstart, tmp_path):
+    """Rank 1 stops on a deleted image; rank 0's next collective then loses its connection. The
+    report names rank 1's error first and exits 2 (it used to lead with rank 0's "Connection closed
+    by peer" and its traceback, exit 1, because ranks were listed in order)."""
+    from magistral_cli.data.samplers import BaseRandomBatchSampler
+
+    images, pristine, overrides = quickstart
+    rows = [json.loads(line) for line in (images.parent / "data.jsonl").read_text().splitlines()]
+    recipe = yaml.safe_load(TINY.read_text())
+    sampler = recipe["data"]["dataloader_param"].get("sampler_type", "BaseRandomBatchSampler")
+    assert sampler == "BaseRandomBatchSampler"
+    micro = recipe["training"]["micro_batch_size"]
+
+    def first_batch(rank):  # the recipe's sampler: the samples, and their images, of the rank's step 1
+        batch = next(iter(BaseRandomBatchSampler(len(rows), micro, num_replicas=2, rank=rank)))
+        return batch, {name for i in batch for name in rows[i].get("images", [])}
+
+    batch, names = first_batch(1)
+    victim = sorted(names - first_batch(0)[1])[0]
+    sample = next(i for i in batch if victim in rows[i].get("images", []))
+    try:
+        (images.parent / victim).unlink()
+        done = run_train(TINY, tmp_path / "run", *overrides)
+    finally:
+        shutil.rmtree(images)
+        shutil.copytree(pristine, images)
+    assert done.returncode == 2, done.stderr[-3000:]
+    report = done.stderr.partition("training failed (exit status 2)\n")[2].splitlines()
+    first = f"rank 1 failed: image {images.parent / victim} of sample {sample} changed since preprocessing"
+    assert report[0].startswith(first), report
+    # rank 0 recorded its lost connection, or torchrun stopped it first: either way named after rank 1
+    assert report[1] in (
+        "rank(s) 0 lost the connection after that failure",
+        "rank(s) 0 stopped by torchrun after that failure (no status of their own)",
+    ), report
+    assert "crashed" not in done.stderr and "Traceback" not in done.stderr
+
+
 # --------------------------------------------------------------------------- input nested too deeply
 
 

@@ -415,6 +415,50 @@ def test_a_rank_killed_by_a_signal_comes_first_and_torchruns_own_stops_after(tmp
     lines, status = failure_report(tmp_path, 1, 2)
     assert status == 1 and lines[0].startswith("rank 1 was killed by signal 9")
     assert lines[-1] == f"rank 0 crashed after rank 1 was killed: {error}"
+    # as a rank records it now: its lost connection is named after the kill, without a traceback
+    (tmp_path / "rank_status" / "rank0.json").write_text(
+        json.dumps({"rank": 0, "exit_status": 1, "kind": "lost", "error": error, "failed_at": 5.0})
+    )
+    lines, status = failure_report(tmp_path, 1, 2)
+    assert status == 1 and lines[0].startswith("rank 1 was killed by signal 9")
+    assert lines[-1] == "rank(s) 0 lost the connection after that failure"
+
+
+def test_the_earliest_failure_comes_first_and_a_lost_connection_after_it(tmp_path):
+    """Rank 1 fails on bad input; rank 0's collective then loses its connection. Rank order put rank
+    0's "Connection closed by peer" first (exit 1); the earliest failure is the cause (exit 2)."""
+    from magistral_cli.launch.supervise import failure_report
+
+    lost = "RuntimeError: [gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:17299"
+    image = "image /d/7.png of sample 7 changed since preprocessing: re-run magistral preprocess"
+    _statuses(
+        tmp_path / "user",
+        rank0={"rank": 0, "exit_status": 1, "kind": "lost", "error": lost, "failed_at": 100.5},
+        rank1={"rank": 1, "exit_status": 2, "kind": "user", "error": image, "failed_at": 100.2},
+    )
+    assert failure_report(tmp_path / "user", 1, 2) == (
+        [f"rank 1 failed: {image}", "rank(s) 0 lost the connection after that failure"],
+        2,
+    )
+    # two failures of their own: the earlier one first, whatever the rank
+    _statuses(
+        tmp_path / "crash",
+        rank0={"rank": 0, "exit_status": 1, "kind": "crash", "error": "RuntimeError: b", "failed_at": 9.0},
+        rank1={"rank": 1, "exit_status": 1, "kind": "crash", "error": "RuntimeError: a", "failed_at": 8.0},
+        rank2={"rank": 2, "exit_status": 1, "kind": "lost", "error": lost, "failed_at": 9.5},
+    )
+    lines, status = failure_report(tmp_path / "crash", 1, 3)
+    crashed = [line for line in lines if line.startswith("rank ")]
+    assert crashed == ["rank 1 crashed: RuntimeError: a", "rank 0 crashed: RuntimeError: b"]
+    assert (lines[-1], status) == ("rank(s) 2 lost the connection after that failure", 1)
+    # nothing but lost connections: those are all there is, named as they are
+    _statuses(
+        tmp_path / "only",
+        rank0={"rank": 0, "exit_status": 1, "kind": "lost", "error": lost, "failed_at": 1.0},
+        rank1={"rank": 1, "exit_status": 1, "kind": "lost", "error": lost, "failed_at": 1.0},
+    )
+    lines, status = failure_report(tmp_path / "only", 1, 2)
+    assert (lines, status) == ([f"rank 0 crashed: {lost}", f"rank 1 crashed: {lost}"], 1)
 
 
 _TORCHRUN_STDERR = [
