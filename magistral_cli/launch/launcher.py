@@ -236,7 +236,7 @@ def run_launch(plan: LaunchPlan, console, node_rank: int = 0) -> int:
     """
     import shutil
 
-    from magistral_cli.engine.run import STATUS_DIR
+    from magistral_cli.engine.run import LOST_PEER, STATUS_DIR
     from magistral_cli.errors import CheckFailed
     from magistral_cli.run_lock import RunLock
 
@@ -259,6 +259,10 @@ def run_launch(plan: LaunchPlan, console, node_rank: int = 0) -> int:
         if summary.exists():
             with contextlib.suppress(ValueError, OSError):
                 record = {**json.loads(summary.read_text(encoding="utf-8")), "exit_status": status}
+        if lines and (not record.get("error") or LOST_PEER.search(str(record["error"]))):
+            # Rank 0 wrote its own error, which may only be the connection it lost when another rank
+            # failed (or it wrote none): the job's error is the cause the report names first.
+            record["error"] = lines[0]
         # The engine writes summary.json when it finishes; the launcher records how the whole job
         # ended (a rank can fail after rank 0 wrote its summary).
         try:

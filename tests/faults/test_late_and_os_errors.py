@@ -299,6 +299,9 @@ def test_an_image_only_rank_1_reads_is_named_first_and_exits_2(quickstart, tmp_p
         "rank(s) 0 stopped by torchrun after that failure (no status of their own)",
     ), report
     assert "crashed" not in done.stderr and "Traceback" not in done.stderr
+    # summary.json's error is that cause too, not rank 0's lost connection
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["exit_status"], summary["error"]) == (2, report[0])
 
 
 # --------------------------------------------------------------------------- input nested too deeply
