@@ -174,9 +174,14 @@ def spawn_ranks(
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         failure = None
         try:
-            while not context.join(timeout=1.0):
-                if deadline is not None and time.monotonic() > deadline:
-                    raise RankTimeout(f"the {world_size} rank processes ran past {timeout_s:.0f} s")
+            # Waits of at most 1 s, none past the deadline: a group is stopped at its time, not at
+            # the next whole second (one that ended after its time but within that second returned
+            # as if it had been in time).
+            while not context.join(
+                timeout=1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+            ):
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise RankTimeout(f"the {world_size} rank processes ran past {timeout_s:g} s")
         except mp.ProcessExitedException as error:
             failure = error
         finally:

@@ -232,5 +232,8 @@ def test_a_process_group_past_its_time_is_stopped():
     from magistral_cli.probes.cp_equivalence import run_rank_job
     from magistral_cli.probes.cp_workers import spawn_rank_jobs
 
-    with pytest.raises(TimeoutError, match="ran past 0 s"):
-        spawn_rank_jobs("cpu", 2, [{"run": run_rank_job, "mode": "ring"}], timeout_s=0.1)
+    # The probe's real job (about 3 s on 2 cores), stopped at 0.1 s. It once lacked two arguments
+    # and failed at once, so the group sometimes ended inside the first second's wait and returned.
+    job = {"run": run_rank_job, "mode": "ring", "dtypes": ["float32"], "chunk_loss": False}
+    with pytest.raises(TimeoutError, match="ran past 0.1 s"):
+        spawn_rank_jobs("cpu", 2, [job], timeout_s=0.1)
