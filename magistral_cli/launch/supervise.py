@@ -154,16 +154,15 @@ def failure_report(run_dir: Path, code: int, nproc: int) -> tuple[list[str], int
     # A rank whose collective lost its connection failed because another one did (or was killed):
     # named last, after that cause, so that rank 0's lost connection does not hide rank 1's error.
     lost = sorted(r for r, s in failed.items() if s.get("kind") == "lost")
+    if len(lost) == len(failed) and not missing:
+        lost = []  # nothing else failed that this node saw: those errors are all there is
     lost_line = (
         [f"rank(s) {', '.join(map(str, lost))} lost the connection after that failure"] if lost else []
     )
-    if len(lost) < len(failed) or missing:
-        failed = {r: s for r, s in failed.items() if r not in lost}
-    else:
-        lost_line = []  # nothing else failed that this node saw: those errors are all there is
-    user_errors = sorted(
-        (r for r, s in failed.items() if s.get("kind") == "user"), key=lambda r: (_failed_at(failed[r]), r)
-    )
+    failed = {r: s for r, s in failed.items() if r not in lost}
+    # The ranks' own failures, earliest first (a record without a time last, in rank order).
+    order = sorted(failed, key=lambda r: (_failed_at(failed[r]), r))
+    user_errors = [r for r in order if failed[r].get("kind") == "user"]
     if user_errors and all(s.get("kind") == "user" for s in failed.values()):
         # A rank stopped on bad input: torchrun then stops the others (SIGTERM), and a rank stopped
         # before it could record anything is that consequence, not a second failure.
@@ -206,7 +205,8 @@ def failure_report(run_dir: Path, code: int, nproc: int) -> tuple[list[str], int
         )
         lines += _log_tail(run_dir, rank)
     after = f" after rank {min(killed)} was killed" if killed else ""
-    for rank, record in sorted(failed.items(), key=lambda item: (_failed_at(item[1]), item[0])):
+    for rank in order:
+        record = failed[rank]
         error = _short_error(record)
         if record.get("kind") in ("user", "check"):
             lines.append(f"rank {rank} failed{after}: {error}")
