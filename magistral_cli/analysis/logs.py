@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from magistral_cli.errors import UserError
-from magistral_cli.metric_names import PREFERENCE_METRICS
+from magistral_cli.metric_names import FORMER_PREFERENCE_NAMES, PREFERENCE_METRICS
 
 KNOWN_FORMATS = {
     "run-dir": "a run directory written by `magistral train` (metrics.jsonl, summary.json)",
@@ -262,7 +262,9 @@ def _read_metrics_jsonl(path: Path) -> RunLog:
 
 
 def _preference(record: dict) -> dict[str, float]:
-    """The preference metrics a metrics.jsonl line holds (finite numbers only)."""
+    """The preference metrics a metrics.jsonl line holds (finite numbers only), under their current
+    names (a line of an older run may hold ``FORMER_PREFERENCE_NAMES``)."""
+    record = {FORMER_PREFERENCE_NAMES.get(k, k): v for k, v in record.items()}
     values = {name: _number(record.get(name)) for name in PREFERENCE_METRICS}
     return {name: v for name, v in values.items() if v is not None and math.isfinite(v)}
 

@@ -19,6 +19,7 @@ from magistral_cli.analysis.metrics import (
     Comparison,
     compare_runs,
 )
+from magistral_cli.metric_names import PREFERENCE_FRACTION
 
 from .output import console, emit_json, json_option
 
@@ -183,7 +184,7 @@ def _preference_rows(table: Table, preference: dict | None) -> None:
     for name, row in preference.items():
         if row["baseline"] is None and row["candidate"] is None:
             continue
-        spec = ".2%" if name == "rewards/accuracy" else ".4f"
+        spec = ".2%" if name == PREFERENCE_FRACTION else ".4f"
         table.add_row(f"{name} (mean)", _fmt(row["baseline"], spec), _fmt(row["candidate"], spec), "")
 
 

@@ -100,8 +100,8 @@ def expected(policy, reference, batches, loss: str, *, ftx=0.0, smoothing=0.0, g
     metrics = {
         "rewards/chosen": float(wc.mean()),
         "rewards/rejected": float(wr.mean()),
-        "rewards/accuracy": float((wc > wr).float().mean()),
-        "rewards/margin": float((wc - wr).mean()),
+        "rewards/accuracies": float((wc > wr).float().mean()),
+        "rewards/margins": float((wc - wr).mean()),
     }
     return pairs.mean(), metrics
 

@@ -80,8 +80,8 @@ def test_two_processes_equal_one_and_resume_exactly(tmp_path):
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for r in records:
         assert set(METRIC_NAMES) <= r.keys()
-        assert r["rewards/margin"] == pytest.approx(r["rewards/chosen"] - r["rewards/rejected"], abs=1e-6)
-        assert 0.0 <= r["rewards/accuracy"] <= 1.0
+        assert r["rewards/margins"] == pytest.approx(r["rewards/chosen"] - r["rewards/rejected"], abs=1e-6)
+        assert 0.0 <= r["rewards/accuracies"] <= 1.0
     assert "reference model:" in done.stderr
 
     # 1 process with micro-batch 2: the same pairs each step, the same means.

@@ -79,10 +79,10 @@ def test_tiny_dpo_recipes_train_log_rewards_and_export(tmp_path):
     for r in train + val:
         assert set(PREFERENCE_METRICS) <= r.keys(), r
     # Steps 1-2 start from the base (adapters B = 0; step 1's lr is 0 in warm-up): no preference yet.
-    assert train[0]["loss"] == pytest.approx(0.693147, abs=1e-5) and train[0]["rewards/margin"] == 0.0
+    assert train[0]["loss"] == pytest.approx(0.693147, abs=1e-5) and train[0]["rewards/margins"] == 0.0
     late = train[-6:]
-    assert sum(r["rewards/accuracy"] for r in late) / len(late) > 0.7
-    assert sum(r["rewards/margin"] for r in late) / len(late) > 0.02
+    assert sum(r["rewards/accuracies"] for r in late) / len(late) > 0.7
+    assert sum(r["rewards/margins"] for r in late) / len(late) > 0.02
     assert sum(r["loss"] for r in late) / len(late) < 0.69
 
     out = tmp_path / "adapters"
@@ -121,4 +121,4 @@ def test_tiny_dpo_recipes_train_log_rewards_and_export(tmp_path):
     assert "reference model:" in done.stderr
     records = _records(full_run)
     assert [r["step"] for r in records if "split" not in r] == [1, 2, 3]
-    assert records[-1]["split"] == "val" and 0.0 <= records[-1]["rewards/accuracy"] <= 1.0
+    assert records[-1]["split"] == "val" and 0.0 <= records[-1]["rewards/accuracies"] <= 1.0
