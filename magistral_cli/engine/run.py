@@ -94,9 +94,15 @@ def _worker_origin(message: str) -> str:
     return text if sep and name.rpartition(".")[2].endswith(("Error", "Exception", "Failed")) else last
 
 
-#: How a collective fails when another rank is gone (gloo; NCCL): a consequence of that rank's
-#: failure (or of a broken network), never a cause of its own.
-LOST_PEER = re.compile(r"Connection (?:closed|reset) by peer|remote process exited|communicator was aborted")
+#: How a collective fails when another rank is gone: a consequence of that rank's failure (or of a
+#: broken network), never a cause of its own. gloo: "Connection closed by peer", "Connection reset by
+#: peer"; NCCL: "remote process exited or there was a network error" (ncclRemoteError), "A call failed
+#: possibly due to ... a remote process exiting prematurely", "Net : Connection closed by remote peer"
+#: (older NCCL reports it as an internal error), "communicator was aborted". HCCL's words for a gone peer
+#: are a timeout ("Remote Rank did not send the data in time"), which a hung rank also causes: not here.
+LOST_PEER = re.compile(
+    r"Connection (?:closed|reset) by (?:remote )?peer|remote process exit|communicator was aborted"
+)
 
 
 def describe_failure(exc: BaseException) -> tuple[int, str, str]:

@@ -55,6 +55,23 @@ def test_operating_system_errors_name_the_path_the_errno_and_the_fix(tmp_path):
     assert run.describe_failure(gloo)[:2] == (1, "lost")
     nccl = RuntimeError("NCCL error: remote process exited or there was a network error")
     assert run.describe_failure(nccl)[:2] == (1, "lost")
+    # NCCL's other words for it: an older NCCL's internal error over a closed socket, and ncclRemoteError's
+    # explanation when it is the message's first line.
+    nccl_internal = RuntimeError(
+        "NCCL error in: ProcessGroupNCCL.cpp:1275, internal error, NCCL version 2.14.3\n"
+        "ncclInternalError: Internal check failed.\nLast error:\nNet : Connection closed by remote peer host<50260>"
+    )
+    assert run.describe_failure(nccl_internal)[:2] == (1, "lost")
+    nccl_remote = RuntimeError(
+        "ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely."
+    )
+    assert run.describe_failure(nccl_remote)[:2] == (1, "lost")
+    # A timeout is not a lost peer: the other rank may be stuck, not gone (HCCL's words for both).
+    hccl = RuntimeError(
+        "EI0006: Getting socket times out. Reason: Remote Rank did not send the data in time. "
+        "Please check the reason for the rank being stuck"
+    )
+    assert run.describe_failure(hccl)[:2] == (1, "crash")
     assert run.describe_failure(RuntimeError("Connection refused"))[:2] == (1, "crash")
 
 
