@@ -178,3 +178,20 @@ def test_a_directory_given_as_an_image_is_named_a_directory(model_dir, tokenizer
         [RowSource(0, _row("<image>", ["pictures"]))]
     )[0]
     assert result == Drop("unreadable_image", f"{tmp_path / 'pictures'} is a directory, not an image file")
+
+
+def test_alpaca_formatting_exits_2_naming_the_record_styles_that_are_read(tmp_path, model_dir):
+    """The schema takes MindSpeed-MM's ``formatting`` values, but alpaca records are not read: one
+    error naming the two record styles, exit 2, before anything is written."""
+    from magistral_cli.cli.main import app
+
+    dataset = tmp_path / "data.jsonl"
+    dataset.write_text(json.dumps(_row("a")) + "\n", encoding="utf-8")
+    cache = tmp_path / "cache"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir, dataset, cache)
+    result = runner.invoke(app, ["preprocess", str(recipe), "data.dataset_param.attr.formatting=alpaca"])
+    assert result.exit_code == 2, result.output
+    assert "formatting 'alpaca' is not supported" in result.output
+    assert "'messages'" in result.output and "'conversations'" in result.output
+    assert "Traceback" not in result.output
+    assert not cache.exists() or not any(cache.iterdir())
