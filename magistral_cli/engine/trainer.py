@@ -331,14 +331,15 @@ class Trainer:
             # defer_grad_sync skips the reduce-scatter until the last micro-batch: less communication,
             # but FSDP2 then keeps every trainable parameter's gradient unsharded on every rank.
             self.model.set_requires_gradient_sync(i == last or not defer)
-            batch = to_device(mb, self.device)
             if loss_type == "per_sample_loss":
-                # Every token of sample b weighs 1 / (its targets x the micro-batch's samples).
+                # Every token of sample b weighs 1 / (its targets x the micro-batch's samples): made
+                # on the host, moved with the batch (through pinned memory: no wait for the queue).
                 neat = self.segments == "samples"
                 weights = per_sample_weights(
                     mb["labels"], mb["attention_mask"], mb.get("cu_seqlens") if neat else None
                 )
-                batch["sample_weights"] = weights.to(self.device)
+                mb = {**mb, "sample_weights": weights}
+            batch = to_device(mb, self.device)
             if self.cp_groups is None:
                 loss = self.model(**batch)
             else:

@@ -64,10 +64,10 @@ def evaluate(
             validate_right_padding(mb["attention_mask"])
             per_sample = (mb["labels"][:, 1:] != -100).sum(dim=1)
             targets = int(per_sample.sum())
-            batch = to_device(mb, device)
             if loss_type == "per_sample_loss":
                 weights = per_sample_weights(mb["labels"], mb["attention_mask"], mean=False)
-                batch["sample_weights"] = weights.to(device)
+                mb = {**mb, "sample_weights": weights}
+            batch = to_device(mb, device)
             if not context_parallel:
                 loss = model(**batch)
             else:

@@ -114,3 +114,41 @@ def test_an_unknown_loss_type_is_refused(tiny, tmp_path):
     model_dir, _ = tiny
     with pytest.raises(UserError, match="features.loss_cfg.loss_type"):
         make_recipe(model_dir, tmp_path / "run", ["features.loss_cfg.loss_type=mean"])
+
+
+def test_per_sample_weights_move_with_the_batch_through_pinned_memory(tiny, tmp_path, monkeypatch):
+    """per_sample_loss's weights are made on the host and moved with the batch by ``to_device``
+    (``runtime.host_to_device``: pinned memory on an accelerator), not by a pageable ``.to(device)``
+    that would make the host wait for the queue. The spy records what ``to_device`` moves and calls
+    the real function."""
+    from magistral_cli.engine import batch as batch_mod
+    from magistral_cli.engine.batch import per_sample_weights
+
+    moved: list[torch.Tensor] = []
+    real = batch_mod.host_to_device
+
+    def spy(tensor, device):
+        moved.append(tensor)
+        return real(tensor, device)
+
+    monkeypatch.setattr(batch_mod, "host_to_device", spy)
+    model_dir, _ = tiny
+    batches = _micro_batches()
+    trainer = Trainer(
+        make_recipe(
+            model_dir,
+            tmp_path / "run",
+            ["features.loss_cfg.loss_type=per_sample_loss"],
+            micro_batch_size=2,
+            gradient_accumulation_steps=2,
+        )
+    )
+    try:
+        trainer.forward_backward(batches)
+    finally:
+        trainer.close()
+    for mb in batches:
+        want = per_sample_weights(mb["labels"], mb["attention_mask"])
+        assert any(t.shape == want.shape and torch.equal(t, want) for t in moved), (
+            "the micro-batch's per-sample weights did not go through to_device"
+        )
