@@ -109,6 +109,9 @@ class WandbSink:
             import wandb
         except ImportError as exc:
             raise _missing("wandb", f" or does not import ({exc})") from None
+        from magistral_cli.runtime import at_rank_exit
+
+        at_rank_exit(_remove_wandb_temporaries)
         opts = recipe.tools.wandb
         self.dir = _under(run_dir, opts.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -142,6 +145,30 @@ class WandbSink:
 
     def close(self) -> None:
         self.run.finish()
+
+
+#: Where wandb keeps its module-level temporary directories (``tempfile.TemporaryDirectory``), which only
+#: the interpreter's exit handlers remove: (module, attribute path).
+WANDB_TEMPORARIES = (
+    ("wandb.sdk.data_types._private", "MEDIA_TMP"),
+    ("wandb.sdk.artifacts.artifact", "Artifact._TMP_DIR"),
+)
+
+
+def _remove_wandb_temporaries() -> None:
+    """Remove wandb's temporary directories (``WANDB_TEMPORARIES``) at a rank's end: the rank leaves
+    with ``os._exit`` (``runtime.finish_rank_process``), which skips the exit handlers that would,
+    and every run would leave two empty directories in the temporary directory. A wandb that keeps
+    them elsewhere is left alone."""
+    import sys
+
+    for module_name, path in WANDB_TEMPORARIES:
+        target = sys.modules.get(module_name)
+        for attr in path.split("."):
+            target = getattr(target, attr, None)
+        cleanup = getattr(target, "cleanup", None)
+        if callable(cleanup):
+            cleanup()
 
 
 SINKS = {"tensorboard": TensorBoardSink, "wandb": WandbSink}

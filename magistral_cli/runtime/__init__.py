@@ -24,6 +24,7 @@ from magistral_cli.runtime.device import (
     set_device,
 )
 from magistral_cli.runtime.distributed import (
+    at_rank_exit,
     destroy_distributed,
     finish_rank_process,
     init_distributed,
@@ -42,6 +43,7 @@ __all__ = [
     "device_peak_tflops",
     "device_type_of_backend",
     "host_to_device",
+    "at_rank_exit",
     "finish_rank_process",
     "init_distributed",
     "parse_dtype",

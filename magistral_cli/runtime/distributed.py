@@ -37,8 +37,24 @@ from magistral_cli.runtime.device import BACKENDS, set_device
 COLLECTIVE_TIMEOUT_S = 180
 
 
+#: What a rank runs before it leaves with ``os._exit``, which skips the interpreter's exit handlers:
+#: the clean-ups of those handlers that the rank needs (``at_rank_exit``), newest first.
+_AT_RANK_EXIT: list[Callable[[], None]] = []
+
+
+def at_rank_exit(func: Callable[[], None]) -> None:
+    """Run ``func`` when this rank ends through :func:`finish_rank_process` (once; its errors ignored):
+    the part of an exit handler that ``os._exit`` would skip, such as removing temporary files."""
+    if func not in _AT_RANK_EXIT:
+        _AT_RANK_EXIT.append(func)
+
+
 def finish_rank_process(code: int = 0) -> NoReturn:
-    """Flush logs and standard streams, then end this process with ``code`` at once."""
+    """Run the ``at_rank_exit`` clean-ups, flush logs and standard streams, then end this process
+    with ``code`` at once."""
+    while _AT_RANK_EXIT:
+        with contextlib.suppress(Exception):
+            _AT_RANK_EXIT.pop()()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         # A closed or broken stream must not change the exit code.

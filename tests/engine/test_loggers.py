@@ -289,3 +289,21 @@ def test_training_logs_to_wandb_offline(tiny_model, tmp_path):
     assert run.display_name == "run" and config["training"]["train_iters"] == 3
     lines = _lines(run_dir)
     assert history == _expected_scalars(lines) and set(history["train/loss"]) == {1, 2, 3}
+
+
+@pytest.mark.slow
+def test_a_rank_that_logs_to_wandb_leaves_no_temporary_directory(tiny_model, tmp_path, monkeypatch):
+    """A rank ends with os._exit, which skips the exit handlers that remove wandb's module-level
+    temporary directories (media, artifacts): the rank removes them itself."""
+    from magistral_cli.runtime import spawn_ranks
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))  # the rank's tempfile.gettempdir()
+    steps = spawn_ranks(
+        _train_rank, 1, (str(tiny_model), str(tmp_path / "run"), ["tools.logger=wandb"]), threads=1
+    )
+    assert steps == [3]
+    assert (tmp_path / "run" / "wandb").is_dir()  # it did log to W&B
+    # wandb's module-level ones; the wandb-core service removes its own socket directory as it ends.
+    assert [p.name for p in scratch.iterdir() if p.name.endswith(("wandb-media", "wandb-artifacts"))] == []
