@@ -82,7 +82,10 @@ def generate(
     output_file: Annotated[
         Optional[Path],
         typer.Option(
-            "--output", help="Where --input's answers go: one JSON line per conversation.", show_default=False
+            "--output",
+            help="Where --input's answers go: one JSON line per conversation (never over a file the "
+            "command reads: --input, or a file in --model, --base or --adapter).",
+            show_default=False,
         ),
     ] = None,
     adapter: Annotated[
@@ -167,6 +170,14 @@ def generate(
         raise UserError("--image goes with --prompt; in --input records list their images in `images`")
     if batch and output_file.absolute() == input_file.absolute():
         raise UserError("--output must differ from --input")
+    if batch:  # before any work: never over a file the command reads
+        from magistral_cli.run_record import refuse_overwriting_inputs
+
+        refuse_overwriting_inputs(
+            output_file,
+            [("--input", input_file), ("--model", model), ("--base", base), ("--adapter", adapter)],
+            "--output",
+        )
     options = SamplingOptions(max_new_tokens, greedy, temperature, top_p, seed)
     options.check()
 

@@ -172,3 +172,37 @@ def test_preprocess_never_exports_over_its_dataset(tmp_path):
     done = preprocess(tmp_path / "data" / "export.jsonl")  # a new file beside them is fine
     assert done.returncode == 0, done.stderr[-3000:]
     assert len((tmp_path / "data" / "export.jsonl").read_text().splitlines()) >= 1
+
+
+def test_generate_never_writes_its_answers_over_a_file_it_reads(tmp_path):
+    """`generate --output` over the model's config.json, over --input, or onto the model directory:
+    exit 2 before anything is loaded, every file unchanged (a new path is tests/cli/test_generate.py's
+    normal case)."""
+    from magistral_cli.quickstart import write_assets
+
+    assets = write_assets(tmp_path, 4)
+    model = assets["model"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n", encoding="utf-8")
+    before = {p: p.read_bytes() for p in [*model.iterdir(), prompts] if p.is_file()}
+
+    def generate(target: Path) -> subprocess.CompletedProcess:
+        command = "from magistral_cli.cli.main import main; main()"
+        args = [
+            "generate",
+            "--model",
+            str(model),
+            "--input",
+            str(prompts),
+            "--output",
+            str(target),
+            "--greedy",
+        ]
+        return subprocess.run(
+            [sys.executable, "-c", command, *args], env=train_env(), capture_output=True, text=True, cwd=REPO
+        )
+
+    _refused(generate(model / "config.json"), "is an existing file inside --model", "give another path")
+    _refused(generate(prompts), "--output must differ from --input")
+    _refused(generate(model), "is a directory")
+    assert {p: p.read_bytes() for p in before} == before
