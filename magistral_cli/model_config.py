@@ -49,6 +49,30 @@ def apply_tying_rule(config):
     return config
 
 
+#: The sections of config.json that must be JSON objects when present.
+CONFIG_SECTIONS = ("text_config", "vision_config")
+
+
+def read_config_json(path: str | Path) -> dict:
+    """``config.json`` at ``path`` as a dict, or one ``UserError`` naming what is wrong with the file:
+    unreadable, not JSON, not a JSON object, or a ``text_config`` / ``vision_config`` that is not one.
+    Every reader of the raw file goes through it, so a damaged file is one message, never a traceback."""
+    import json
+
+    path = Path(path)
+    fix = "restore it from the model's original files (magistral fetch --model-dir DIR checks and downloads them)"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path} cannot be read as JSON ({exc}); {fix}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} holds a JSON {type(data).__name__}, not the object of a model config; {fix}")
+    for key in CONFIG_SECTIONS:
+        if key in data and not isinstance(data[key], dict):
+            raise UserError(f"{path}: {key} is a {type(data[key]).__name__}, not an object; {fix}")
+    return data
+
+
 def read_model_config(model_dir: str | Path, *, trust_remote_code: bool = False, what: str = "model"):
     """The ``Mistral3Config`` of ``model_dir/config.json`` with the tying rule applied; a directory
     of Mistral's native layout without config.json gives its ``params.json`` instead.
@@ -66,12 +90,17 @@ def read_model_config(model_dir: str | Path, *, trust_remote_code: bool = False,
             f"{what} {path} has no {CONFIG_FILE} (nor Mistral's {PARAMS_FILE}); point it at the model "
             "directory (magistral fetch writes one)"
         )
+    read_config_json(path / CONFIG_FILE)
     try:
         config = AutoConfig.from_pretrained(
             str(path), local_files_only=True, trust_remote_code=trust_remote_code
         )
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"{path / CONFIG_FILE} cannot be read by transformers: {exc}") from None
+    except Exception as exc:  # a value of the wrong type is huggingface_hub's StrictDataclass error, and more
+        detail = " ".join(str(exc).split())
+        raise UserError(
+            f"{path / CONFIG_FILE} cannot be read by transformers ({type(exc).__name__}: {detail[:300]}); "
+            "restore it from the model's original files"
+        ) from None
     if config.model_type != "mistral3":
         raise UserError(
             f"{path / CONFIG_FILE} describes a {config.model_type!r} model; "

@@ -12,7 +12,6 @@ conversion reports bytes; the CLI passes a rich progress bar (DESIGN.md, "Layers
 from __future__ import annotations
 
 import contextlib
-import json
 import multiprocessing
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from magistral_cli.assets.hashing import sha256_file
 from magistral_cli.errors import CheckFailed, UserError
+from magistral_cli.model_config import read_config_json
 
 from . import cache as cache_mod
 from .encoder import ENCODER_REVISION, EncodedPair, EncodedSample, EncodeParams, Encoder
@@ -62,7 +62,7 @@ class PreprocessPlan:
             self._tokenizer = load_tokenizer(self.model_dir, *self.tokenizer_options)
             config_path = self.model_dir / "config.json"
             if config_path.is_file():
-                config = json.loads(config_path.read_text(encoding="utf-8"))
+                config = read_config_json(config_path)
                 check_against_model_config(self._tokenizer.special, config, config_path)
         return self._tokenizer
 

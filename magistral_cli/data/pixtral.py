@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from magistral_cli.errors import UserError
+from magistral_cli.model_config import read_config_json
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -92,7 +93,7 @@ def load_image_settings(
     """
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
-    config = _read_json(config_path) if config_path.is_file() else {}
+    config = read_config_json(config_path) if config_path.is_file() else {}
     vision = config.get("vision_config") or {}
     model_patch = vision.get("patch_size")
     model_merge = config.get("spatial_merge_size")

@@ -11,13 +11,13 @@ values are computed by the data loader's function and batched by its collator.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from magistral_cli.checkpoint.hf import CONFIG
 from magistral_cli.errors import CheckFailed, UserError
+from magistral_cli.model_config import read_config_json
 
 from .source import ModelSource
 
@@ -69,9 +69,7 @@ class PromptEncoder:
             tokenizer_dir, pre.tokenizer_source, pre.fix_mistral_regex, pre.split_special_tokens
         )
         config_path = source.model_dir / CONFIG
-        check_against_model_config(
-            tokenizer.special, json.loads(config_path.read_text(encoding="utf-8")), config_path
-        )
+        check_against_model_config(tokenizer.special, read_config_json(config_path), config_path)
         settings = load_image_settings(
             tokenizer_dir, pre.image_min_pixels, pre.image_max_pixels, pre.image_grid
         )
