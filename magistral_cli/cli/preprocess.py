@@ -21,7 +21,7 @@ def preprocess(
     json_out: Annotated[bool, json_option("the report")] = False,
     strict: Annotated[
         bool,
-        typer.Option("--strict", help="Fail (exit 1) if any row would be dropped, naming the first one."),
+        typer.Option("--strict", help="Fail (exit 2) if any row would be dropped, naming the first one."),
     ] = False,
     inspect: Annotated[
         int,

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from magistral_cli.assets.hashing import sha256_file
-from magistral_cli.errors import CheckFailed, UserError
+from magistral_cli.errors import UserError
 from magistral_cli.model_config import read_config_json
 
 from . import cache as cache_mod
@@ -284,11 +284,7 @@ def run_preprocess(
         if strict and writer.drops:
             _raise_strict(writer.drops)
         if not len(writer):
-            unit = "pair" if plan.fmt.pair_columns else "sample"
-            raise CheckFailed(
-                f"no {unit} of {plan.dataset} could be kept ({len(writer.drops)} dropped, first: "
-                f"row {writer.drops[0]['index']}: {writer.drops[0]['reason']}: {writer.drops[0]['detail']})"
-            )
+            raise UserError(_nothing_kept(plan, writer.drops))
         seconds = time.perf_counter() - started
         report = build_report(
             writer,
@@ -327,11 +323,35 @@ def find_cached_dataset(recipe) -> cache_mod.EncodedDataset | None:
     return cache_mod.open_reusable(plan.entry)  # None for a damaged entry too (with a warning)
 
 
+def _nothing_kept(plan, drops: list[dict]) -> str:
+    """Why no row of the dataset could be kept, and what to do: the first row's reason, and the
+    stage's record layout when every row looks like the other stage's."""
+    pairs = plan.fmt.pair_columns is not None
+    unit = "pair" if pairs else "sample"
+    first = drops[0]
+    message = (
+        f"no {unit} of {plan.dataset} could be kept ({len(drops)} dropped, first: row {first['index']}: "
+        f"{first['reason']}: {first['detail']})"
+    )
+    reasons = {d["reason"] for d in drops}
+    if pairs and reasons <= {"missing_chosen", "missing_rejected"}:
+        return message + (
+            "; the rows hold no chosen / rejected answers: preference training (training.stage: dpo) reads "
+            "pairs (attr.chosen, attr.rejected), SFT conversations train with training.stage: sft"
+        )
+    if not pairs and reasons <= {"missing_assistant"}:
+        return message + (
+            "; the rows hold no assistant answer: preference pairs (chosen / rejected) train with "
+            "training.stage: dpo"
+        )
+    return message + "; fix the rows, or point data.dataset_param.basic_parameters.dataset at the right file"
+
+
 def _raise_strict(drops: list[dict]) -> None:
     first = drops[0]
-    raise CheckFailed(
+    raise UserError(
         f"--strict: {len(drops)} row(s) would be dropped; first: row {first['index']} ({first['reason']}): "
-        f"{first['detail']}"
+        f"{first['detail']}; fix those rows, or run without --strict to drop them (the report counts them)"
     )
 
 

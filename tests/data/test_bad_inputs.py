@@ -68,7 +68,7 @@ def test_an_undecodable_jsonl_line_is_dropped_and_the_rest_kept(tmp_path, model_
     assert example["detail"] == f"line 3: byte offset {offset} is not valid UTF-8 (b'\\xe9\"}},')"
 
     strict = runner.invoke(app, ["preprocess", str(recipe), "--strict"])
-    assert strict.exit_code == 1
+    assert strict.exit_code == 2
     assert "row 2 (invalid_utf8): line 3: byte offset" in strict.output
     assert "Traceback" not in strict.output
 
@@ -195,3 +195,33 @@ def test_alpaca_formatting_exits_2_naming_the_record_styles_that_are_read(tmp_pa
     assert "'messages'" in result.output and "'conversations'" in result.output
     assert "Traceback" not in result.output
     assert not cache.exists() or not any(cache.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("stage", "rows", "hint"),
+    [
+        ("sft", [{"messages": 5}, {"x": 1}], "fix the rows, or point data.dataset_param.basic_parameters.dataset"),
+        (
+            "sft",
+            [{"messages": [{"role": "user", "content": "Q"}], "chosen": {"role": "assistant", "content": "A"},
+              "rejected": {"role": "assistant", "content": "B"}}],
+            "preference pairs (chosen / rejected) train with training.stage: dpo",
+        ),
+        ("dpo", [_row("a"), _row("b")], "SFT conversations train with training.stage: sft"),
+    ],
+    ids=["broken rows", "pairs under sft", "conversations under dpo"],
+)  # fmt: skip
+def test_a_dataset_with_no_usable_row_exits_2_with_the_fix(tmp_path, model_dir, stage, rows, hint):
+    from magistral_cli.cli.main import app
+
+    dataset = tmp_path / "data.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    recipe = write_recipe(
+        tmp_path / "r.yaml", model_dir, dataset, tmp_path / "cache", training={"stage": stage}
+    )
+    args = ["preprocess", str(recipe)] + (["features.loss_cfg.loss_type=default"] if stage == "dpo" else [])
+    result = runner.invoke(app, args)
+    output = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert "could be kept" in output and hint in output, output
+    assert "Traceback" not in result.output

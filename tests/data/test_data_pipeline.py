@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from magistral_cli.data.pipeline import run_preprocess
-from magistral_cli.errors import CheckFailed
+from magistral_cli.errors import UserError
 
 from .helpers import write_recipe
 
@@ -115,7 +115,7 @@ def test_two_workers_encode_the_same_samples(first_run, model_dir, broken_datase
 
 def test_strict_names_the_first_dropped_row(first_run):
     recipe, _ = first_run
-    with pytest.raises(CheckFailed, match=r"row 40 \(invalid_json\)"):
+    with pytest.raises(UserError, match=r"row 40 \(invalid_json\)"):
         run_preprocess(recipe, strict=True)
 
 
@@ -148,7 +148,7 @@ def test_cli_json_inspect_export_and_strict(tmp_path, model_dir, broken_dataset)
     assert "cache hit" in again.stderr
 
     strict = runner.invoke(app, ["preprocess", str(recipe), "--strict"])
-    assert strict.exit_code == 1 and "row 40" in strict.output
+    assert strict.exit_code == 2 and "row 40" in strict.output
 
     bad = runner.invoke(
         app, ["preprocess", str(recipe), "data.dataset_param.basic_parameters.template=chatml"]

@@ -140,7 +140,7 @@ def test_preprocess_reports_outside_images_and_drops_them_with_false(model_dir, 
     assert "image_outside_dataset_dir" in result.output and "allow_outside_dataset_dir=true" in result.output
 
     strict = runner.invoke(app, ["preprocess", str(recipe), refuse, "--strict"])
-    assert strict.exit_code == 1
+    assert strict.exit_code == 2
     assert "4 row(s) would be dropped; first: row 4 (image_outside_dataset_dir)" in strict.output
     assert "Traceback" not in strict.output
 

@@ -257,7 +257,7 @@ def test_preprocess_counts_and_warns_with_the_seed_setting(model_dir, tmp_path, 
 
     strict = runner.invoke(app, ["preprocess", str(recipe), "--strict"])
     assert (
-        strict.exit_code == 1
+        strict.exit_code == 2
         and "row 0 (image_token_in_text): prompt 0 holds the text [IMG]" in strict.output
     )
     assert "Traceback" not in strict.output
