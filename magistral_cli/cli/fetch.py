@@ -100,7 +100,12 @@ def fetch_command(
         ),
     ] = None,
     no_weights: Annotated[
-        bool, typer.Option("--no-weights", help="Skip the weight shards (config, index and tokenizer only).")
+        bool,
+        typer.Option(
+            "--no-weights",
+            help="Skip the HF weight shards (config, index and tokenizer only); with --native, Mistral's "
+            "layout is still fetched whole (consolidated.safetensors too: the native layout without the shards).",
+        ),
     ] = False,
     tokenizer_source: Annotated[
         TokenizerSource,
