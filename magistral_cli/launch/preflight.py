@@ -69,14 +69,22 @@ def check_paths(recipe: Recipe, warnings: list[str], dry_run: bool) -> None:
     basic = recipe.data.dataset_param.basic_parameters
     checks = [
         ("model.model_name_or_path", recipe.model.model_name_or_path, "is_dir"),
-        ("training.load", recipe.training.load, "exists"),
+        # A model directory, a DCP directory, a run or its checkpoints: always a directory.
+        ("training.load", recipe.training.load, "is_dir"),
     ]
     if not recipe.data.dataset_param.is_synthetic:
         checks.append(("data.dataset_param.basic_parameters.dataset", basic.dataset, "is_file"))
     problems = []
     for key, value, kind in checks:
-        if value and not getattr(Path(value), kind)():
+        path = Path(value) if value else None
+        if path is None or getattr(path, kind)():
+            continue
+        if not path.exists():
             problems.append(f"{key} points to {value}, which does not exist")
+        elif kind == "is_dir":
+            problems.append(f"{key} points to {value}, which is a file; it takes a directory")
+        else:
+            problems.append(f"{key} points to {value}, which is a directory; it takes a file")
     if not problems:
         return
     if dry_run:

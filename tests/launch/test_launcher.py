@@ -143,6 +143,30 @@ def test_missing_inputs_warn_in_a_dry_run_and_stop_a_real_launch(tmp_path):
         plan_launch(EIGHT_CARD, overrides, LaunchOptions(dry_run=False))
 
 
+def test_a_file_where_a_directory_goes_and_the_reverse_are_named_as_such(machine_paths):
+    """training.load and the model path are directories, the dataset a file: the wrong kind is named
+    as what it is (not "does not exist") and a real launch stops in pre-flight, before any rank."""
+    model, dataset = machine_paths["model"], machine_paths["dataset"]
+    cases = [
+        (
+            f"training.load={dataset}",
+            f"training.load points to {dataset}, which is a file; it takes a directory",
+        ),
+        (f"model.model_name_or_path={dataset}", "which is a file; it takes a directory"),
+        (
+            f"data.dataset_param.basic_parameters.dataset={model}",
+            f"dataset points to {model}, which is a directory; it takes a file",
+        ),
+    ]
+    for override, message in cases:
+        overrides = [*machine_paths["overrides"], override]
+        plan = plan_launch(EIGHT_CARD, overrides, LaunchOptions(dry_run=True))
+        assert any(message in w for w in plan.warnings), plan.warnings
+        with pytest.raises(UserError, match=re.escape(message)):
+            plan_launch(EIGHT_CARD, overrides, LaunchOptions(dry_run=False))
+    assert not machine_paths["run"].exists()
+
+
 def test_unknown_key_in_a_recipe_file_exits_2_and_names_the_key(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(EIGHT_CARD.read_text().replace("  lr: 1.0e-5", "  lrr: 1.0e-5"))
