@@ -29,6 +29,8 @@ def check_plot_path(path: Path) -> None:
         raise UserError(f"--plot writes a PNG: give a path ending in .png (got {path})")
     if not path.parent.is_dir():
         raise UserError(f"--plot {path}: the folder {path.parent} does not exist; create it first")
+    if path.is_dir():
+        raise UserError(f"--plot {path} is a directory; give a file path ending in .png")
     _pyplot()
 
 

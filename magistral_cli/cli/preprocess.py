@@ -106,8 +106,14 @@ def _check_export(path: Path, plan, recipe: Path, dataset=None) -> None:
     """--export-jsonl never writes over an input (``run_record.refuse_overwriting_inputs``); with the
     encoded ``dataset``, not over one of its images either (looked up only for an existing file in
     the dataset's directory)."""
+    from magistral_cli.errors import UserError
     from magistral_cli.run_record import refuse_overwriting_inputs
 
+    if not path.parent.is_dir():  # before the encoding: a file in the way, or no such folder
+        what = "is a file" if path.parent.exists() else "does not exist"
+        raise UserError(
+            f"--export-jsonl {path}: its folder {path.parent} {what}; give a path in an existing folder"
+        )
     inputs = [
         ("the recipe", recipe),
         ("the dataset", plan.dataset),

@@ -225,6 +225,10 @@ def test_fsdp2_trainer_log_with_nan_fails(runs, tmp_path):
         (lambda r, t: [r["baseline"], t / "late"], "no common steps"),
         (lambda r, t: [r["baseline"], r["close"], "--plot", t / "plot.jpg"], "ending in .png"),
         (lambda r, t: [r["baseline"], r["close"], "--plot", t / "no" / "dir" / "p.png"], "does not exist"),
+        (
+            lambda r, t: (t / "d.png").mkdir() or [r["baseline"], r["close"], "--plot", t / "d.png"],
+            "is a directory",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_a_message(runs, tmp_path, make_args, message):

@@ -164,6 +164,9 @@ def test_preprocess_never_exports_over_its_dataset(tmp_path):
             [sys.executable, "-c", command, *args], env=train_env(), capture_output=True, text=True, cwd=REPO
         )
 
+    # A folder that is a file: refused before the encoding (no cache entry made), not after it.
+    _refused(preprocess(config / "out.jsonl"), f"its folder {config} is a file")
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
     _refused(preprocess(dataset), f"--export-jsonl {dataset} is the dataset", "give another path")
     _refused(preprocess(model / "config.json"), "is an existing file inside the model directory")
     image = next(p for p in (tmp_path / "data").rglob("*") if p.suffix in (".png", ".jpg"))
