@@ -79,7 +79,8 @@ def require_model_dir(model_dir: str | Path) -> Path:
 
     path = Path(model_dir)
     if not path.is_dir():
-        raise UserError(f"model directory {path} does not exist; pass the directory `magistral fetch` wrote")
+        what = "is a file, not a directory" if path.exists() else "does not exist"
+        raise UserError(f"model directory {path} {what}; pass the directory `magistral fetch` wrote")
     if not (path / CONFIG).is_file() and not (path / PARAMS_FILE).is_file():
         raise UserError(
             f"{path} has neither {CONFIG} nor Mistral's {PARAMS_FILE}; pass a model directory (`magistral fetch`)"

@@ -222,7 +222,8 @@ def resolve_dcp_checkpoint(dcp_dir: str | Path, allow_unverified: bool = False) 
     """
     path = Path(dcp_dir)
     if not path.is_dir():
-        raise UserError(f"DCP directory {path} does not exist")
+        what = "is a file, not a directory" if path.exists() else "does not exist"
+        raise UserError(f"DCP directory {path} {what}")
     if (path / DCP_METADATA).is_file():
         return require_intact(path, allow_unverified)
     if (path / MEGATRON_RELEASE_DIR / DCP_METADATA).is_file():
@@ -337,7 +338,11 @@ class DCPValidation:
         if self.layout == "engine":
             fix = "Pass a checkpoint that training wrote for this config.json"
         if self.matching_layout:
-            fix = f"These keys are those of the {self.matching_layout} layout. {fix}"
+            fix = (
+                f"These keys are those of the {self.matching_layout} layout: pass --layout "
+                f"{self.matching_layout} to check it as one, or, for the {self.layout} layout, "
+                f"{fix[0].lower()}{fix[1:]}"
+            )
         return self.report.message(fix + "." if not self.report.keys_ok else "")
 
     def to_dict(self) -> dict:

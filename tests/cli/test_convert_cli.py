@@ -115,6 +115,21 @@ def test_fsdp2_conversion_fails_megatron_validation_with_exit_1(hf_dir, tmp_path
     assert report["ok"] is False and report["missing_count"] == 45 and report["unexpected_count"] == 44
     assert report["matching_layout"] == "fsdp2" and len(report["missing"]) == 5
     assert "model keys do not match" in result.output and "Traceback" not in result.output
+    human = runner.invoke(
+        app,
+        [
+            "convert",
+            "validate",
+            "--model-dir",
+            str(hf_dir),
+            "--dcp-dir",
+            str(dcp_dir),
+            "--layout",
+            "megatron",
+        ],
+    )
+    assert human.exit_code == 1
+    assert "pass --layout fsdp2 to check it as one" in " ".join(human.output.split())
 
 
 def test_existing_target_and_bad_input_exit_2(hf_dir, tmp_path):
@@ -127,6 +142,13 @@ def test_existing_target_and_bad_input_exit_2(hf_dir, tmp_path):
         app, ["convert", "hf-to-dcp", "--model-dir", str(tmp_path / "nope"), "--dcp-dir", str(tmp_path / "x")]
     )
     assert result.exit_code == 2 and "does not exist" in result.output
+    (tmp_path / "a-file").write_text("not a model\n")
+    result = runner.invoke(
+        app,
+        ["convert", "hf-to-dcp", "--model-dir", str(tmp_path / "a-file"), "--dcp-dir", str(tmp_path / "x")],
+    )
+    assert result.exit_code == 2 and "is a file, not a directory" in result.output
+    (tmp_path / "a-file").unlink()
     result = runner.invoke(
         app,
         [
