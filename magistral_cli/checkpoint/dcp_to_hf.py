@@ -90,6 +90,8 @@ class ExportResult:
     #: How many DCP read items were copied file to file ("direct") and how many went through
     #: DCP's reader ("torch_load").
     reads: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: What the export lacks that a user of it needs (no tokenizer in the model directory).
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {
@@ -104,6 +106,7 @@ class ExportResult:
             "throughput_mib_s": round(self.bytes / 2**20 / self.seconds, 1) if self.seconds > 0 else None,
             "copied": self.copied,
             "reads": self.reads,
+            "warnings": self.warnings,
         }
 
 
@@ -720,7 +723,23 @@ def export_dcp_to_hf(
         seconds=time.perf_counter() - started,
         copied=copied,
         reads=read_counts,
+        warnings=[] if native else missing_tokenizer(model_dir, copied),
     )
+
+
+#: A tokenizer file of the model directory that an HF export carries (Mistral's, or transformers').
+TOKENIZER_FILES = ("tekken.json", "tokenizer.json")
+
+
+def missing_tokenizer(model_dir: Path, copied: list[str]) -> list[str]:
+    """A warning when the export carries no tokenizer: transformers and vLLM read it from the model
+    directory, so the export cannot be served or used by ``magistral generate`` until one is copied in."""
+    if any(name in copied for name in TOKENIZER_FILES):
+        return []
+    return [
+        f"{model_dir} has no tokenizer ({' or '.join(TOKENIZER_FILES)}), so the export has none either: copy "
+        "tekken.json in before serving it (`magistral fetch --no-weights` downloads it)"
+    ]
 
 
 def export_hf_to_native(

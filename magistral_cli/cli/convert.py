@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from .output import JsonOut, bytes_progress, console, emit_json
 
@@ -381,6 +382,8 @@ def _print_export(result, source: str) -> None:
         f"({result.layout} keys, {source}), "
         f"{result.bytes / 2**20:.1f} MiB in {result.seconds:.1f} s; wrote or copied {', '.join(result.copied)}"
     )
+    for warning in result.warnings:
+        console.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)
 
 
 def _export_model_dir_native(

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -84,6 +85,9 @@ def test_hf_to_dcp_validate_dcp_to_hf_reproduce_the_checkpoint(hf_dir, tmp_path,
     assert result.exit_code == 0, result.output
     exported = _json(result)
     assert exported["dcp_layout"] == layout and exported["layout"] == "official"
+    # This model directory has no tokenizer, so the export has none: said, not silent.
+    assert len(exported["warnings"]) == 1 and "has no tokenizer" in exported["warnings"][0]
+    assert "warning:" in result.stderr and "has no tokenizer" in " ".join(result.stderr.split())
     for path in hf_dir.iterdir():
         assert (out / path.name).read_bytes() == path.read_bytes(), path.name
 
@@ -194,3 +198,11 @@ def test_subcommand_help_imports_neither_torch_nor_transformers(sub):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_an_export_with_a_tokenizer_carries_no_warning():
+    from magistral_cli.checkpoint.dcp_to_hf import missing_tokenizer
+
+    assert missing_tokenizer(Path("m"), ["config.json", "tekken.json"]) == []
+    assert missing_tokenizer(Path("m"), ["config.json", "tokenizer.json", "tokenizer_config.json"]) == []
+    assert "has no tokenizer" in missing_tokenizer(Path("m"), ["config.json", "generation_config.json"])[0]
