@@ -57,19 +57,26 @@ def read_config_json(path: str | Path) -> dict:
     """``config.json`` at ``path`` as a dict, or one ``UserError`` naming what is wrong with the file:
     unreadable, not JSON, not a JSON object, or a ``text_config`` / ``vision_config`` that is not one.
     Every reader of the raw file goes through it, so a damaged file is one message, never a traceback."""
-    import json
-
     path = Path(path)
     fix = "restore it from the model's original files (magistral fetch --model-dir DIR checks and downloads them)"
+    data = _read_json_object(path, fix)
+    for key in CONFIG_SECTIONS:
+        if key in data and not isinstance(data[key], dict):
+            raise UserError(f"{path}: {key} is a {type(data[key]).__name__}, not an object; {fix}")
+    return data
+
+
+def _read_json_object(path: Path, fix: str) -> dict:
+    """The JSON object in ``path``, or one ``UserError`` (unreadable, not JSON, not an object) ending
+    with ``fix``."""
+    import json
+
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise UserError(f"{path} cannot be read as JSON ({exc}); {fix}") from None
     if not isinstance(data, dict):
-        raise UserError(f"{path} holds a JSON {type(data).__name__}, not the object of a model config; {fix}")
-    for key in CONFIG_SECTIONS:
-        if key in data and not isinstance(data[key], dict):
-            raise UserError(f"{path}: {key} is a {type(data[key]).__name__}, not an object; {fix}")
+        raise UserError(f"{path} holds a JSON {type(data).__name__}, not an object; {fix}")
     return data
 
 
@@ -215,16 +222,8 @@ def params_from_config(config) -> dict:
 
 def read_params_config(model_dir: str | Path):
     """``config_from_params`` of ``model_dir/params.json``."""
-    import json
-
     path = Path(model_dir) / PARAMS_FILE
-    try:
-        params = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{path} cannot be read ({exc}); download it again") from None
-    if not isinstance(params, dict):
-        raise UserError(f"{path} is not a JSON object; download it again")
-    return config_from_params(params, str(path))
+    return config_from_params(_read_json_object(path, "download it again"), str(path))
 
 
 def config_from_params(params: dict, where: str = PARAMS_FILE):

@@ -24,6 +24,11 @@ def hf_dir(tmp_path_factory):
     return save_official_checkpoint(model, tmp_path_factory.mktemp("cli") / "hf", num_shards=2)
 
 
+def _validate(hf_dir, dcp_dir, layout: str) -> list[str]:
+    """`magistral convert validate` of ``dcp_dir`` against ``hf_dir`` as ``layout``."""
+    return ["convert", "validate", "--model-dir", str(hf_dir), "--dcp-dir", str(dcp_dir), "--layout", layout]
+
+
 def _json(result):
     assert result.stdout.strip().startswith("{"), result.output
     return json.loads(result.stdout)
@@ -50,20 +55,7 @@ def test_hf_to_dcp_validate_dcp_to_hf_reproduce_the_checkpoint(hf_dir, tmp_path,
     converted = _json(result)
     assert converted["layout"] == layout and converted["validated_keys"] == converted["tensors"] == 45
 
-    result = runner.invoke(
-        app,
-        [
-            "convert",
-            "validate",
-            "--model-dir",
-            str(hf_dir),
-            "--dcp-dir",
-            str(dcp_dir),
-            "--layout",
-            layout,
-            "--json",
-        ],
-    )
+    result = runner.invoke(app, [*_validate(hf_dir, dcp_dir, layout), "--json"])
     assert result.exit_code == 0, result.output
     assert _json(result)["ok"] is True
 
@@ -100,38 +92,14 @@ def test_fsdp2_conversion_fails_megatron_validation_with_exit_1(hf_dir, tmp_path
         ).exit_code
         == 0
     )
-    result = runner.invoke(
-        app,
-        [
-            "convert",
-            "validate",
-            "--model-dir",
-            str(hf_dir),
-            "--dcp-dir",
-            str(dcp_dir),
-            "--layout",
-            "megatron",
-            "--json",
-        ],
-    )
+    validate = _validate(hf_dir, dcp_dir, "megatron")
+    result = runner.invoke(app, [*validate, "--json"])
     assert result.exit_code == 1
     report = _json(result)
     assert report["ok"] is False and report["missing_count"] == 45 and report["unexpected_count"] == 44
     assert report["matching_layout"] == "fsdp2" and len(report["missing"]) == 5
     assert "model keys do not match" in result.output and "Traceback" not in result.output
-    human = runner.invoke(
-        app,
-        [
-            "convert",
-            "validate",
-            "--model-dir",
-            str(hf_dir),
-            "--dcp-dir",
-            str(dcp_dir),
-            "--layout",
-            "megatron",
-        ],
-    )
+    human = runner.invoke(app, validate)
     assert human.exit_code == 1
     assert "pass --layout fsdp2 to check it as one" in " ".join(human.output.split())
 
