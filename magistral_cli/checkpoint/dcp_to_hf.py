@@ -37,6 +37,7 @@ from magistral_cli.errors import CheckFailed, MagistralError, UserError
 from .hf import (
     CONFIG,
     SINGLE_WEIGHTS,
+    TEKKEN,
     WEIGHT_INDEX,
     native_shard_name,
     read_hf_weights,
@@ -728,7 +729,7 @@ def export_dcp_to_hf(
 
 
 #: A tokenizer file of the model directory that an HF export carries (Mistral's, or transformers').
-TOKENIZER_FILES = ("tekken.json", "tokenizer.json")
+TOKENIZER_FILES = (TEKKEN, "tokenizer.json")
 
 
 def missing_tokenizer(model_dir: Path, copied: list[str]) -> list[str]:
