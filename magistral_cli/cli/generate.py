@@ -112,11 +112,22 @@ def generate(
         bool, typer.Option("--greedy", help="Argmax decoding (deterministic) instead of sampling.")
     ] = False,
     temperature: Annotated[
-        float, typer.Option("--temperature", help="Sampling temperature.")
-    ] = DEFAULT_TEMPERATURE,
+        Optional[float],
+        typer.Option(
+            "--temperature",
+            help=f"Sampling temperature (default {DEFAULT_TEMPERATURE}); not with --greedy.",
+            show_default=False,
+        ),
+    ] = None,
     top_p: Annotated[
-        float, typer.Option("--top-p", help="Nucleus sampling: keep this much probability mass.")
-    ] = DEFAULT_TOP_P,
+        Optional[float],
+        typer.Option(
+            "--top-p",
+            help=f"Nucleus sampling: keep this much probability mass (default {DEFAULT_TOP_P}); "
+            "not with --greedy.",
+            show_default=False,
+        ),
+    ] = None,
     seed: Annotated[
         Optional[int],
         typer.Option("--seed", help="Seed the sampler (per conversation in a batch).", show_default=False),
@@ -178,7 +189,18 @@ def generate(
             [("--input", input_file), ("--model", model), ("--base", base), ("--adapter", adapter)],
             "--output",
         )
-    options = SamplingOptions(max_new_tokens, greedy, temperature, top_p, seed)
+    if greedy and (temperature is not None or top_p is not None):
+        given = " and ".join(
+            name for name, value in (("--temperature", temperature), ("--top-p", top_p)) if value is not None
+        )
+        raise UserError(f"--greedy decodes by argmax, which {given} would not change: drop one or the other")
+    options = SamplingOptions(
+        max_new_tokens,
+        greedy,
+        DEFAULT_TEMPERATURE if temperature is None else temperature,
+        DEFAULT_TOP_P if top_p is None else top_p,
+        seed,
+    )
     options.check()
 
     source = resolve_source(model, adapter=adapter, base=base, allow_unverified=allow_unverified)

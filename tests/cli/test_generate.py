@@ -187,6 +187,8 @@ def test_batch_writes_one_line_per_conversation(tiny, tmp_path):
         "prompt_and_input",
         "nothing",
         "input_no_output",
+        "greedy_with_temperature",
+        "greedy_with_top_p",
     ],
 )
 def test_bad_input_is_one_message_and_exit_2(tiny, tmp_path, case):
@@ -207,6 +209,14 @@ def test_bad_input_is_one_message_and_exit_2(tiny, tmp_path, case):
         ),
         "nothing": (model, "--prompt"),
         "input_no_output": ([*model, "--input", tmp_path / "a.jsonl"], "--output"),
+        "greedy_with_temperature": (
+            [*model, "--prompt", "x", "--greedy", "--temperature", "1.5"],
+            "--greedy decodes by argmax, which --temperature would not change",
+        ),
+        "greedy_with_top_p": (
+            [*model, "--prompt", "x", "--greedy", "--top-p", "0.5"],
+            "which --top-p would not change",
+        ),
     }[case]
     result = _invoke(*args)
     assert result.exit_code == 2, result.output
