@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,61 @@ from magistral_cli.testing.local_hub import LocalHub, add_synthetic_model
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
+
+
+# --------------------------------------------------------------------------- sharing the machine
+# The README runs the suite on pytest-xdist workers (`-n 2`): two tests at a time, which fills the
+# cores where one test alone waits on a subprocess's start, the disk or a rank. Each worker's own
+# torch computes on its share of the cores (the ranks tests start choose their own threads). A test
+# marked `exclusive` (its memory peak needs the machine) runs with no other test beside it: every
+# test holds a shared lock on a file of the run while it runs, an exclusive one takes it whole, and
+# a turnstile in front of both keeps a waiting exclusive test from being passed by shared ones.
+
+
+def _worker_count() -> int:
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
+def pytest_configure(config):
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // _worker_count()))
+
+
+@contextlib.contextmanager
+def _machine_share(item):
+    exclusive = item.get_closest_marker("exclusive") is not None
+    # xdist gives each worker its base directory (pytest-N/popen-gwK) in the run's own pytest-N.
+    run_dir = Path(item.config.option.basetemp).parent
+    with open(run_dir / "machine.lock", "a") as held, open(run_dir / "turnstile.lock", "a") as turnstile:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            if not exclusive:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield exclusive
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+            if exclusive:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    with _machine_share(item) as exclusive:
+        if exclusive:  # it has the machine: all of its cores
+            import torch
+
+            torch.set_num_threads(os.cpu_count() or 1)
+        yield
+    if exclusive:
+        pytest_configure(item.config)
 
 
 @pytest.fixture

@@ -52,7 +52,11 @@ from magistral_cli.runtime import spawn_ranks
 
 from .helpers import skip_without_native_bf16
 
-pytestmark = [pytest.mark.slow, skip_without_native_bf16("the 1.95B-parameter bf16 step")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.exclusive,  # 16.5 GiB of the machine's 24 at its peak
+    skip_without_native_bf16("the 1.95B-parameter bf16 step"),
+]
 
 FIXTURE_CONFIG = Path(__file__).resolve().parents[1] / "fixtures" / "magistral-small-2509" / "config.json"
 #: Modules that do not train here: the default recipe's vision tower and projector, plus the

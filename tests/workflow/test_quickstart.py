@@ -29,6 +29,7 @@ def _steps(run_dir: Path, split: str = "train") -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.compat  # CI's lowest-versions leg runs the quickstart through this test
 def test_quickstart_runs_the_whole_workflow(tmp_path, push_hub):
     result = CliRunner().invoke(
         app, ["quickstart", "--workdir", str(tmp_path), "--steps", "4", "--no-probes", "--json"]
