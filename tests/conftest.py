@@ -25,15 +25,16 @@ FIXTURES = REPO / "tests" / "fixtures"
 # a turnstile in front of both keeps a waiting exclusive test from being passed by shared ones.
 
 
-def _worker_count() -> int:
-    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+def _use_cores(share: int) -> None:
+    """This worker's torch computes on 1/``share`` of the machine's cores."""
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // share))
 
 
 def pytest_configure(config):
     if "PYTEST_XDIST_WORKER" in os.environ:
-        import torch
-
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // _worker_count()))
+        _use_cores(int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
 
 
 @contextlib.contextmanager
@@ -63,9 +64,7 @@ def pytest_runtest_protocol(item, nextitem):
         return
     with _machine_share(item) as exclusive:
         if exclusive:  # it has the machine: all of its cores
-            import torch
-
-            torch.set_num_threads(os.cpu_count() or 1)
+            _use_cores(1)
         yield
     if exclusive:
         pytest_configure(item.config)
