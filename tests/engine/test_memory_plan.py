@@ -22,7 +22,7 @@ from magistral_cli.engine import memory_plan as mp_plan
 from magistral_cli.engine.synthetic import BOS_TOKEN_ID, FIRST_TEXT_ID, IMAGE_TOKEN_ID, SyntheticBatches
 from magistral_cli.runtime import spawn_ranks
 
-from .helpers import skip_without_native_bf16
+from .helpers import skip_without_onednn_bf16
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny" / "tiny_cpu.yaml"
@@ -366,7 +366,7 @@ def cpu_case(name: str, tmp_path: Path) -> tuple[list[str], mp_plan.MemoryPlan]:
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(name, marks=skip_without_native_bf16("the mid-size bf16 run")) if name == "mid" else name
+        pytest.param(name, marks=skip_without_onednn_bf16("the mid-size bf16 run")) if name == "mid" else name
         for name in CPU_CASES
     ],
 )
