@@ -32,9 +32,14 @@ def _use_cores(share: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // share))
 
 
+def _use_worker_share() -> None:
+    """This worker's share of the cores: one of pytest-xdist's workers."""
+    _use_cores(int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+
+
 def pytest_configure(config):
     if "PYTEST_XDIST_WORKER" in os.environ:
-        _use_cores(int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+        _use_worker_share()
 
 
 @contextlib.contextmanager
@@ -67,7 +72,7 @@ def pytest_runtest_protocol(item, nextitem):
             _use_cores(1)
         yield
     if exclusive:
-        pytest_configure(item.config)
+        _use_worker_share()
 
 
 @pytest.fixture

@@ -417,7 +417,8 @@ def test_one_full_width_step_matches_transformers(tmp_path):
     native bf16 (no AVX512-BF16 or AMX: oneDNN converts to fp32 inside the kernel, about 4x slower
     than fp32) the same run, alone on the machine, took 456 s: reference 186 s, the two ranks
     242 s (step 1 150 s, step 2's forward 64 s; 228 s of CPU per rank), with the same step-1 loss,
-    step-2 loss 4.4559 (4.4558) and peaks of 7.88 and 7.86 GiB. The assertion messages carry the figures of the run.
+    step-2 loss 4.4559 (4.4558) and peaks of 7.88 and 7.86 GiB. The assertion messages carry the
+    figures of the run.
     """
     from safetensors import safe_open
 
