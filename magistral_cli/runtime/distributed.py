@@ -4,6 +4,15 @@
 of rank processes in-process (probes, the CP harness, tests, benchmarks), runs one function on
 every rank and returns each rank's JSON result; ``finish_rank_process`` ends a rank.
 
+CPU ranks start from a fork server that has imported the engine once (``RANK_PRELOAD``): a fresh
+interpreter spends about 6 s of CPU importing torch, transformers' Mistral3 and FSDP before its
+first line of work (the test suite starts about a hundred ranks this way). The server is
+started on first use with the caller's environment, and a call made with a different environment
+(a variable set since, as a test's ``monkeypatch.setenv`` does: ``MALLOC_*``, ``TMPDIR`` and the
+like act at a process's start) starts fresh interpreters instead, so a rank never starts with other
+settings than a spawned one would. CUDA and NPU ranks are always spawned (a server that imported
+torch_npu or touched a device must not fork).
+
 After a gloo process group is destroyed, the interpreter's normal teardown can still abort the
 process ("terminate called without an active exception", SIGABRT) while C++ static objects are
 destroyed under a background communication thread. It happened in about 1 of 15 otherwise
@@ -18,6 +27,7 @@ import contextlib
 import datetime
 import json
 import logging
+import multiprocessing
 import os
 import socket
 import sys
@@ -125,6 +135,50 @@ def run_jobs(run_job: Callable[[Any], Any], jobs: Sequence[Any], *, where_lines:
     return results
 
 
+#: What the fork server of CPU ranks imports once (see the module docstring).
+RANK_PRELOAD = ("magistral_cli.engine.trainer",)
+#: Environment variables that may differ between the fork server's start and a later call: pytest
+#: rewrites this one at every phase of every test, and nothing reads it when a process starts.
+#: A rank gets the caller's value all the same (``_rank_main`` sets the caller's environment).
+ENV_NOT_COMPARED = frozenset({"PYTEST_CURRENT_TEST"})
+#: The environment the fork server was started with (None: this process has not started one).
+_server_env: dict[str, str] | None = None
+
+
+def _comparable_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ENV_NOT_COMPARED}
+
+
+def rank_start_method(device_type: str) -> str:
+    """How :func:`spawn_ranks` starts ranks for this call: ``forkserver`` or ``spawn``.
+
+    ``forkserver`` for CPU ranks when this process's fork server runs (it is started here on first
+    use, ``RANK_PRELOAD`` imported in it) with the environment the caller has now; ``spawn``
+    otherwise: another device, a different environment, a server started by someone else, or
+    ``MAGISTRAL_RANK_START=spawn``.
+    """
+    global _server_env
+    if device_type != "cpu" or os.environ.get("MAGISTRAL_RANK_START") == "spawn":
+        return "spawn"
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    if server is None or not hasattr(server, "_forkserver_pid"):
+        return "spawn"  # an interpreter whose fork server works otherwise
+    env = _comparable_env()
+    before = server._forkserver_pid
+    if before is None:
+        if _server_env is not None:
+            return "spawn"  # stopped since (stop_forkserver): not ours to restart
+        multiprocessing.set_forkserver_preload(list(RANK_PRELOAD))
+    elif _server_env is None:
+        return "spawn"  # started by other code, with other modules and settings
+    server.ensure_running()  # starts it, or again if it died
+    if server._forkserver_pid != before:
+        _server_env = env
+    return "forkserver" if env == _server_env else "spawn"
+
+
 def _rank_main(
     rank: int,
     fn: Callable[..., Any],
@@ -134,7 +188,11 @@ def _rank_main(
     threads: int,
     init_file: str,
     out_dir: str,
+    environ: dict[str, str],
 ) -> None:
+    if os.environ != environ:  # a forked rank: the caller's values of ENV_NOT_COMPARED
+        os.environ.clear()
+        os.environ.update(environ)
     torch.set_num_threads(threads)
     device = set_device(device_type, rank)
     dist.init_process_group(
@@ -167,25 +225,28 @@ def spawn_ranks(
     timeout_s: float | None = None,
     threads: int | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, *args)`` on ``world_size`` fresh processes in one process group.
+    """Run ``fn(rank, *args)`` on ``world_size`` new processes in one process group.
 
     ``fn`` must be importable (a module-level function) and return something JSON can write; the
     list of every rank's return value comes back in rank order. Each rank joins the group (gloo
     on the CPU, NCCL on CUDA, HCCL on NPU, device = rank) before ``fn`` runs and leaves it after.
     CPU ranks share the cores (``threads`` each, default cores / world_size). A rank that raises
     or dies raises :class:`RankFailure` naming the rank, a group still running after ``timeout_s``
-    :class:`RankTimeout` (also a ``TimeoutError``); the other processes are terminated.
+    :class:`RankTimeout` (also a ``TimeoutError``); the other processes are terminated. CPU ranks
+    start from a fork server with the engine imported when the environment allows it
+    (:func:`rank_start_method`), the others as fresh interpreters.
     """
     import torch.multiprocessing as mp
 
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory(prefix="magistral-ranks-") as tmp:
+        init_file = os.path.join(tmp, "init")
         context = mp.start_processes(
             _rank_main,
-            args=(fn, tuple(args), world_size, device, threads, os.path.join(tmp, "init"), tmp),
+            args=(fn, tuple(args), world_size, device, threads, init_file, tmp, dict(os.environ)),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=rank_start_method(device),
         )
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         failure = None

@@ -22,7 +22,7 @@ from magistral_cli.runtime import (
     set_device,
     spawn_ranks,
 )
-from magistral_cli.runtime.distributed import RankFailure
+from magistral_cli.runtime.distributed import RANK_PRELOAD, RankFailure, rank_start_method
 
 
 def _sum_of_ranks(rank: int, offset: int) -> dict:
@@ -63,6 +63,44 @@ def test_a_rank_that_raises_is_named_with_its_traceback():
 def test_a_rank_that_dies_is_reported_not_hidden():
     with pytest.raises(RankFailure, match=r"rank 1 ended without a result \(exit code 3\)"):
         spawn_ranks(_dies_on_rank_one, 2, threads=1)
+
+
+def _how_the_rank_started(rank: int, name: str) -> dict:
+    import sys
+
+    return {
+        "preloaded": all(module in sys.modules for module in RANK_PRELOAD),
+        "value": os.environ.get(name),
+        "test": os.environ.get("PYTEST_CURRENT_TEST"),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def test_cpu_ranks_start_from_the_fork_server_with_the_engine_imported_and_the_callers_environment():
+    """The session's fork server (tests/conftest.py starts it) serves an unchanged environment; the
+    variable pytest rewrites for every test reaches the ranks with the caller's value."""
+    assert rank_start_method("cpu") == "forkserver"
+    ranks = spawn_ranks(_how_the_rank_started, 2, ("MAGISTRAL_TEST_SET_LATER",), threads=1)
+    for r in ranks:
+        assert r["preloaded"] and r["value"] is None and r["threads"] == 1, r
+        assert r["test"] == os.environ["PYTEST_CURRENT_TEST"], r
+
+
+def test_a_variable_set_since_the_server_started_gives_fresh_interpreters_that_see_it(monkeypatch):
+    """``MALLOC_*``, ``TMPDIR`` and the like act when a process starts: a rank forked from a server
+    started without them would not have them, so such a call spawns its ranks."""
+    monkeypatch.setenv("MAGISTRAL_TEST_SET_LATER", "yes")
+    assert rank_start_method("cpu") == "spawn"
+    ranks = spawn_ranks(_how_the_rank_started, 2, ("MAGISTRAL_TEST_SET_LATER",), threads=1)
+    assert all(not r["preloaded"] and r["value"] == "yes" for r in ranks), ranks
+    monkeypatch.delenv("MAGISTRAL_TEST_SET_LATER")
+    assert rank_start_method("cpu") == "forkserver"  # the session's environment again
+
+
+def test_accelerator_ranks_and_the_opt_out_always_spawn(monkeypatch):
+    assert rank_start_method("cuda") == rank_start_method("npu") == "spawn"
+    monkeypatch.setenv("MAGISTRAL_RANK_START", "spawn")
+    assert rank_start_method("cpu") == "spawn"
 
 
 def test_maps_are_consistent():
