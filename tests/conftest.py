@@ -53,6 +53,21 @@ def _rank_fork_server():
     rank_start_method("cpu")
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """What a test's in-process code writes into ``os.environ`` goes with the test: wandb's service
+    address, the trainer's ``CUBLAS_WORKSPACE_CONFIG`` (the processes of later tests would inherit
+    them, and the rank fork server would no longer match the session's environment: every later rank
+    and command a fresh interpreter)."""
+    before = dict(os.environ)
+    yield
+    for name in set(os.environ) - set(before) - {"PYTEST_CURRENT_TEST"}:
+        del os.environ[name]
+    for name, value in before.items():
+        if name != "PYTEST_CURRENT_TEST" and os.environ.get(name) != value:
+            os.environ[name] = value
+
+
 @contextlib.contextmanager
 def _machine_share(item):
     exclusive = item.get_closest_marker("exclusive") is not None

@@ -10,7 +10,8 @@ first line of work (the test suite starts about a hundred ranks this way). The s
 started on first use with the caller's environment, and a call made with a different environment
 (a variable set since, as a test's ``monkeypatch.setenv`` does: ``MALLOC_*``, ``TMPDIR`` and the
 like act at a process's start) starts fresh interpreters instead, so a rank never starts with other
-settings than a spawned one would. CUDA and NPU ranks are always spawned (a server that imported
+settings than a spawned one would (what imports write into the environment and a fresh rank would
+write or never read is no difference: ``_comparable_env``). CUDA and NPU ranks are always spawned (a server that imported
 torch_npu or touched a device must not fork).
 
 After a gloo process group is destroyed, the interpreter's normal teardown can still abort the
@@ -27,7 +28,6 @@ import contextlib
 import datetime
 import json
 import logging
-import multiprocessing
 import os
 import socket
 import sys
@@ -145,17 +145,45 @@ ENV_NOT_COMPARED = frozenset({"PYTEST_CURRENT_TEST"})
 _server_env: dict[str, str] | None = None
 
 
-def _comparable_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in ENV_NOT_COMPARED}
+#: Variables that torch's compiler writes before each use of them, in its own process (a pointer):
+#: whatever a process starts with is never read.
+WRITTEN_BEFORE_USE = frozenset({"_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"})
 
 
-def rank_start_method(device_type: str) -> str:
+def _default_inductor_cache_dir() -> str | None:
+    """The inductor cache directory that importing torch's compiler (transformers' models import
+    it) writes into its process's environment where none was set; a fresh interpreter writes the
+    same."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # a torch without it writes nothing
+        return None
+    return os.path.abspath(default_cache_dir())
+
+
+def _comparable_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) less what cannot make a new process differ: the variables
+    of ``ENV_NOT_COMPARED`` and ``WRITTEN_BEFORE_USE``, the inductor cache directory at torch's
+    default, and the entries of ``LD_LIBRARY_PATH`` that are no directory (OpenCV's import adds
+    one for its subprocesses)."""
+    env = os.environ if env is None else env
+    comparable = {k: v for k, v in env.items() if k not in ENV_NOT_COMPARED | WRITTEN_BEFORE_USE}
+    if comparable.get("TORCHINDUCTOR_CACHE_DIR") == _default_inductor_cache_dir():
+        del comparable["TORCHINDUCTOR_CACHE_DIR"]
+    if "LD_LIBRARY_PATH" in comparable:
+        found = [p for p in comparable.pop("LD_LIBRARY_PATH").split(os.pathsep) if os.path.isdir(p)]
+        if found:
+            comparable["LD_LIBRARY_PATH"] = os.pathsep.join(found)
+    return comparable
+
+
+def rank_start_method(device_type: str, env: dict[str, str] | None = None) -> str:
     """How :func:`spawn_ranks` starts ranks for this call: ``forkserver`` or ``spawn``.
 
     ``forkserver`` for CPU ranks when this process's fork server runs (it is started here on first
-    use, ``RANK_PRELOAD`` imported in it) with the environment the caller has now; ``spawn``
-    otherwise: another device, a different environment, a server started by someone else, or
-    ``MAGISTRAL_RANK_START=spawn``.
+    use, ``RANK_PRELOAD`` imported in it) with the environment the caller has now (or ``env``, the
+    one the new process will have); ``spawn`` otherwise: another device, a different environment,
+    a server started by someone else, or ``MAGISTRAL_RANK_START=spawn``.
     """
     global _server_env
     if device_type != "cpu" or os.environ.get("MAGISTRAL_RANK_START") == "spawn":
@@ -165,18 +193,17 @@ def rank_start_method(device_type: str) -> str:
     server = getattr(forkserver, "_forkserver", None)
     if server is None or not hasattr(server, "_forkserver_pid"):
         return "spawn"  # an interpreter whose fork server works otherwise
-    env = _comparable_env()
     before = server._forkserver_pid
     if before is None:
         if _server_env is not None:
             return "spawn"  # stopped since (stop_forkserver): not ours to restart
-        multiprocessing.set_forkserver_preload(list(RANK_PRELOAD))
+        server.set_forkserver_preload(list(RANK_PRELOAD))
     elif _server_env is None:
         return "spawn"  # started by other code, with other modules and settings
     server.ensure_running()  # starts it, or again if it died
     if server._forkserver_pid != before:
-        _server_env = env
-    return "forkserver" if env == _server_env else "spawn"
+        _server_env = _comparable_env()
+    return "forkserver" if _comparable_env(env) == _server_env else "spawn"
 
 
 def _rank_main(

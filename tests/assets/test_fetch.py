@@ -84,19 +84,22 @@ def test_corrupted_local_file_is_moved_aside_and_fetched_again(tmp_path, hub, lo
     model = tmp_path / "model"
     assert fetch_assets(model, lock).ok
     good = (model / SHARD1).read_bytes()
-    (model / SHARD1).write_bytes(b"\0" + good[1:])  # same size, different content
+    # Same size, different content: the first byte flipped (a safetensors file starts with its header's
+    # length, whose low byte may already be 0).
+    corrupted = bytes([good[0] ^ 0xFF]) + good[1:]
+    (model / SHARD1).write_bytes(corrupted)
 
     report = fetch_assets(model, lock)
     assert not report.ok
     (bad,) = report.failures
-    actual = hashlib.sha256(b"\0" + good[1:]).hexdigest()
+    actual = hashlib.sha256(corrupted).hexdigest()
     expected = hashlib.sha256(good).hexdigest()
     assert (bad.name, bad.status, bad.expected_from) == (SHARD1, "mismatch", "manifest")
     assert (bad.sha256, bad.expected_sha256) == (actual, expected)
     assert expected in bad.message and actual in bad.message
     assert not (model / SHARD1).exists()
     quarantined = list((model / QUARANTINE_DIR).glob(f"{SHARD1}.*"))
-    assert [p.read_bytes()[:1] for p in quarantined] == [b"\0"]
+    assert [p.read_bytes() == corrupted for p in quarantined] == [True]
     with pytest.raises(CheckFailed, match=SHARD1):
         report.raise_for_failures()
     # The recorded sum survives, so the fresh download is checked against it.

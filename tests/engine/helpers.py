@@ -104,21 +104,16 @@ def skip_without_onednn_bf16(what: str):
     )
 
 
+def train_args(recipe: Path, run_dir: Path, *overrides: str) -> list[str]:
+    """`magistral train RECIPE --nproc-per-node 2` into ``run_dir``: the arguments after ``magistral``."""
+    return ["train", str(recipe), "--nproc-per-node", "2", f"training.output_dir={run_dir}", *overrides]
+
+
 def train_command(recipe: Path, run_dir: Path, *overrides: str) -> list[str]:
     """`magistral train RECIPE --nproc-per-node 2` into ``run_dir``, from this source tree."""
-    import sys
+    from tests.cli_process import cli_command
 
-    return [
-        sys.executable,
-        "-c",
-        "from magistral_cli.cli.main import main; main()",
-        "train",
-        str(recipe),
-        "--nproc-per-node",
-        "2",
-        f"training.output_dir={run_dir}",
-        *overrides,
-    ]
+    return cli_command(train_args(recipe, run_dir, *overrides))
 
 
 def train_env(**extra: str) -> dict[str, str]:
@@ -133,16 +128,13 @@ def train_env(**extra: str) -> dict[str, str]:
 
 
 def run_train(recipe: Path, run_dir: Path, *overrides: str, env: dict | None = None):
-    """Run `magistral train` on 2 CPU processes to its end; the CompletedProcess (output captured)."""
-    import subprocess
+    """Run `magistral train` on 2 CPU processes to its end; the CompletedProcess (output captured).
+    The command's process is forked with the engine imported when its environment allows
+    (``tests/cli_process.py``); torchrun and the ranks are fresh interpreters as always."""
+    from tests.cli_process import run_cli
 
-    return subprocess.run(
-        train_command(recipe, run_dir, *overrides),
-        env=train_env(**(env or {})),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
+    return run_cli(
+        train_args(recipe, run_dir, *overrides), env=train_env(**(env or {})), cwd=REPO, timeout=600
     )
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_process import run_cli
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
@@ -158,11 +160,8 @@ def test_preprocess_never_exports_over_its_dataset(tmp_path):
     before = _tree(tmp_path / "data")
 
     def preprocess(target: Path) -> subprocess.CompletedProcess:
-        command = "from magistral_cli.cli.main import main; main()"
         args = ["preprocess", str(config), *overrides, "--export-jsonl", str(target)]
-        return subprocess.run(
-            [sys.executable, "-c", command, *args], env=train_env(), capture_output=True, text=True, cwd=REPO
-        )
+        return run_cli(args, env=train_env(), cwd=REPO)
 
     # A folder that is a file: refused before the encoding (no cache entry made), not after it.
     _refused(preprocess(config / "out.jsonl"), f"its folder {config} is a file")
@@ -190,7 +189,6 @@ def test_generate_never_writes_its_answers_over_a_file_it_reads(tmp_path):
     before = {p: p.read_bytes() for p in [*model.iterdir(), prompts] if p.is_file()}
 
     def generate(target: Path) -> subprocess.CompletedProcess:
-        command = "from magistral_cli.cli.main import main; main()"
         args = [
             "generate",
             "--model",
@@ -201,9 +199,7 @@ def test_generate_never_writes_its_answers_over_a_file_it_reads(tmp_path):
             str(target),
             "--greedy",
         ]
-        return subprocess.run(
-            [sys.executable, "-c", command, *args], env=train_env(), capture_output=True, text=True, cwd=REPO
-        )
+        return run_cli(args, env=train_env(), cwd=REPO)
 
     _refused(generate(model / "config.json"), "is an existing file inside --model", "give another path")
     _refused(generate(prompts), "--output must differ from --input")

@@ -97,6 +97,27 @@ def test_a_variable_set_since_the_server_started_gives_fresh_interpreters_that_s
     assert rank_start_method("cpu") == "forkserver"  # the session's environment again
 
 
+def test_what_imports_write_into_the_environment_is_no_difference(monkeypatch, tmp_path):
+    """Importing torch's compiler writes its default cache directory into the environment, its C++
+    loader a pointer it writes again before each use, OpenCV's import a library directory that may
+    not exist: a fresh rank would write or never read the same, so the server still serves. A value
+    that would act, a cache directory elsewhere or a library directory that exists, spawns."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(default_cache_dir()))
+    monkeypatch.setenv("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "140442639977504")
+    libraries = os.environ.get("LD_LIBRARY_PATH")  # the session's, if any, stays behind
+    monkeypatch.setenv("LD_LIBRARY_PATH", os.pathsep.join(filter(None, [str(tmp_path / "none"), libraries])))
+    assert rank_start_method("cpu") == "forkserver"
+    monkeypatch.setenv("LD_LIBRARY_PATH", os.pathsep.join(filter(None, [str(tmp_path), libraries])))
+    assert rank_start_method("cpu") == "spawn"
+    monkeypatch.setenv("LD_LIBRARY_PATH", libraries or "")
+    if libraries is None:
+        monkeypatch.delenv("LD_LIBRARY_PATH")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert rank_start_method("cpu") == "spawn"
+
+
 def test_accelerator_ranks_and_the_opt_out_always_spawn(monkeypatch):
     assert rank_start_method("cuda") == rank_start_method("npu") == "spawn"
     monkeypatch.setenv("MAGISTRAL_RANK_START", "spawn")

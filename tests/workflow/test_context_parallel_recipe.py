@@ -11,22 +11,19 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.cli_process import run_cli
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
-CLI = "from magistral_cli.cli.main import main; main()"
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run(
-        [sys.executable, "-c", CLI, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=600
-    )
+    return run_cli(args, env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=cwd, timeout=600)
 
 
 def _build_quickstart(root: Path) -> None:

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from tests.cli_process import run_cli
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -70,14 +70,8 @@ def test_the_seed_v1_config_gives_the_seeds_run(tmp_path):
 
     overrides = _overrides(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        [sys.executable, "-c", "from magistral_cli.cli.main import main; main()", "train", str(SEED_V1)]
-        + ["--nproc-per-node", "2", *overrides],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=900,
+    done = run_cli(
+        ["train", str(SEED_V1), "--nproc-per-node", "2", *overrides], env=env, cwd=tmp_path, timeout=900
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "no checkpoint will be written" in done.stderr
