@@ -10,9 +10,9 @@ first line of work (the test suite starts about a hundred ranks this way). The s
 started on first use with the caller's environment, and a call made with a different environment
 (a variable set since, as a test's ``monkeypatch.setenv`` does: ``MALLOC_*``, ``TMPDIR`` and the
 like act at a process's start) starts fresh interpreters instead, so a rank never starts with other
-settings than a spawned one would (what imports write into the environment and a fresh rank would
-write or never read is no difference: ``_comparable_env``). CUDA and NPU ranks are always spawned (a server that imported
-torch_npu or touched a device must not fork).
+settings than a spawned one would. What imports write into the environment and a fresh rank would
+write the same or never read is no difference (``_comparable_env``). CUDA and NPU ranks are always
+spawned (a server that imported torch_npu or touched a device must not fork).
 
 After a gloo process group is destroyed, the interpreter's normal teardown can still abort the
 process ("terminate called without an active exception", SIGABRT) while C++ static objects are
