@@ -148,6 +148,7 @@ _server_env: dict[str, str] | None = None
 #: Variables that torch's compiler writes before each use of them, in its own process (a pointer):
 #: whatever a process starts with is never read.
 WRITTEN_BEFORE_USE = frozenset({"_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"})
+_NEVER_COMPARED = ENV_NOT_COMPARED | WRITTEN_BEFORE_USE
 
 
 def _default_inductor_cache_dir() -> str | None:
@@ -167,7 +168,7 @@ def _comparable_env(env: dict[str, str] | None = None) -> dict[str, str]:
     default, and the entries of ``LD_LIBRARY_PATH`` that are no directory (OpenCV's import adds
     one for its subprocesses)."""
     env = os.environ if env is None else env
-    comparable = {k: v for k, v in env.items() if k not in ENV_NOT_COMPARED | WRITTEN_BEFORE_USE}
+    comparable = {k: v for k, v in env.items() if k not in _NEVER_COMPARED}
     if comparable.get("TORCHINDUCTOR_CACHE_DIR") == _default_inductor_cache_dir():
         del comparable["TORCHINDUCTOR_CACHE_DIR"]
     if "LD_LIBRARY_PATH" in comparable:

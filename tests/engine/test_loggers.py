@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import struct
 import sys
 import time
@@ -40,11 +39,10 @@ def _wandb_offline(monkeypatch, tmp_path):
         monkeypatch.setenv(var, str(tmp_path / "wandb-home" / var.lower()))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     yield
-    # A run in this process started wandb-core and put its address in the environment: stop it, and
-    # leave the environment as the test found it (later tests' processes would inherit the address).
+    # A run in this process started wandb-core: stop it (its address in the environment goes with
+    # every test's changes, tests/conftest.py).
     if "wandb" in sys.modules:
         sys.modules["wandb"].teardown()
-    os.environ.pop("WANDB_SERVICE", None)
 
 
 def _record(step, loss, **extra):
